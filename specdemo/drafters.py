@@ -1,0 +1,256 @@
+"""Drafting strategies: each proposes up to k tokens for the current context and hears how many were kept.
+
+The interface follows transformers' ``CandidateGenerator`` in spirit: :meth:`Drafter.propose` (get candidates)
+and :meth:`Drafter.feedback` (update the strategy). :meth:`Drafter.start` begins a new sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from .lm import CachedLM
+from .sampling import SamplingSettings, target_distribution
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Proposal:
+    """Draft tokens and, for drafters that sample, the distribution each was drawn from ([n, V_target])."""
+
+    tokens: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    """A drafting strategy. ``context`` is the whole sequence so far (prompt + accepted output)."""
+
+    name: str
+
+    def start(self, prompt_ids: Sequence[int]) -> None: ...
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal: ...
+
+    def feedback(self, num_drafted: int, num_accepted: int) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# n-gram (prompt lookup)
+
+
+class NgramIndex:
+    """Maps every n-gram (min_n..max_n) of a growing token sequence to the end of its most recent occurrence.
+
+    Only occurrences followed by at least one token are indexed, so a lookup of the sequence's own suffix finds an
+    earlier occurrence with a continuation. Updating is incremental: each new position is indexed once.
+    """
+
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self._last_end: dict[tuple[int, ...], int] = {}
+        self._indexed_ends = 0  # ends 0.._indexed_ends-1 are in the table
+
+    def reset(self) -> None:
+        self.tokens = []
+        self._last_end = {}
+        self._indexed_ends = 0
+
+    def extend(self, context: Sequence[int]) -> None:
+        """Bring the index up to date with ``context``, which must extend what was seen before."""
+        known = len(self.tokens)
+        if len(context) < known or list(context[max(0, known - 8) : known]) != self.tokens[max(0, known - 8) :]:
+            self.reset()
+            known = 0
+        self.tokens.extend(int(t) for t in context[known:])
+        tokens = self.tokens
+        for end in range(self._indexed_ends, len(tokens) - 1):
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                self._last_end[tuple(tokens[end - n + 1 : end + 1])] = end
+        self._indexed_ends = max(self._indexed_ends, len(tokens) - 1)
+
+    def lookup(self, max_tokens: int) -> list[int]:
+        """Continuation of the longest suffix n-gram that occurred before (most recent occurrence)."""
+        tokens = self.tokens
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            end = self._last_end.get(tuple(tokens[len(tokens) - n :]))
+            if end is not None:
+                return tokens[end + 1 : end + 1 + max_tokens]
+        return []
+
+
+class NgramDrafter:
+    """Prompt lookup decoding: propose what followed the most recent earlier occurrence of the context's suffix."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+        self.index = NgramIndex(min_n, max_n)
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        self.index.reset()
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
+        if max_tokens <= 0:
+            return Proposal()
+        self.index.extend(context)
+        return Proposal(self.index.lookup(max_tokens), None)
+
+    def feedback(self, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# draft model
+
+
+def _auto_head_tokens(vocab_size: int) -> int:
+    """How many of the most frequent token ids the draft head scores by default (0 = the whole vocabulary)."""
+    return 32768 if vocab_size > 65536 else 0
+
+
+class DraftModelDrafter:
+    """A small causal LM with the target's tokenizer drafts k tokens one by one.
+
+    It keeps its own KV cache across rounds and rolls back only the drafted tokens the target rejected. Greedy
+    settings draft the argmax; sampling settings sample (with the drafter's own generator) and report the draft
+    distribution, as rejection sampling needs.
+
+    ``head_tokens``: score only this many token ids in the draft's LM head (the lowest ids, which in BPE
+    vocabularies are the earliest merges, i.e. the most frequent tokens) plus every id of the prompt and the EOS
+    ids. With a 151,936-token vocabulary the head is a quarter of a 0.5B draft's weights; restricting it makes
+    every draft step cheaper. Verification by the target keeps the output exact either way. 0 = full head,
+    None = automatic (32,768 for vocabularies over 65,536).
+
+    ``confidence_stop``: stop drafting this round once the draft's probability of its own token falls below this
+    value (0 = never); it only looks at the draft's side, so exactness holds.
+    """
+
+    name = "draft"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        sampling: SamplingSettings,
+        target_vocab_size: int,
+        eos_token_ids: Sequence[int] = (),
+        head_tokens: int | None = None,
+        confidence_stop: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.lm = CachedLM(model)
+        self.sampling = sampling
+        self.target_vocab_size = target_vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.confidence_stop = confidence_stop
+        self.generator = generator
+        head = model.get_output_embeddings()
+        self._head_weight = head.weight if head is not None else None
+        self._head_bias = getattr(head, "bias", None) if head is not None else None
+        draft_vocab = self._head_weight.shape[0] if self._head_weight is not None else target_vocab_size
+        self.head_tokens = _auto_head_tokens(draft_vocab) if head_tokens is None else head_tokens
+        if self._head_weight is None or not isinstance(head, torch.nn.Linear):
+            self.head_tokens = 0
+        self._sub_ids: torch.Tensor | None = None
+        self._sub_weight: torch.Tensor | None = None
+        self._sub_bias: torch.Tensor | None = None
+        self._cached_ids: list[int] = []
+
+    # -- sequence state ------------------------------------------------------------------------------------------
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        self.lm.reset()
+        self._cached_ids = []
+        if self.head_tokens and self._head_weight is not None:
+            draft_vocab = self._head_weight.shape[0]
+            if self.head_tokens >= draft_vocab:
+                self._sub_ids = None
+                return
+            extra = {int(t) for t in prompt_ids} | set(self.eos_token_ids)
+            usable = min(draft_vocab, self.target_vocab_size)
+            ids = sorted(set(range(min(self.head_tokens, usable))) | {t for t in extra if 0 <= t < usable})
+            self._sub_ids = torch.tensor(ids, dtype=torch.long, device=self.lm.device)
+            with torch.inference_mode():
+                self._sub_weight = self._head_weight.index_select(0, self._sub_ids)
+                self._sub_bias = None if self._head_bias is None else self._head_bias.index_select(0, self._sub_ids)
+
+    def _sync(self, context: Sequence[int]) -> torch.Tensor:
+        """Roll the draft cache back to the longest prefix it shares with ``context``; return the ids to feed."""
+        cached = self._cached_ids
+        keep = min(len(cached), len(context) - 1)
+        # the context only grows between rounds, so only the tail (last round's drafts) can differ
+        start = max(0, keep - 64)
+        if start > 0 and int(context[start - 1]) != cached[start - 1]:
+            keep = 0
+        else:
+            for i in range(start, keep):
+                if cached[i] != context[i]:
+                    keep = i
+                    break
+        self.lm.rollback(self.lm.length - keep)
+        del cached[keep:]
+        fresh = [int(t) for t in context[keep:]]
+        cached.extend(fresh)
+        return torch.tensor(fresh, dtype=torch.long, device=self.lm.device)
+
+    # -- drafting ------------------------------------------------------------------------------------------------
+    def _logits(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits at the last position (over the sub-vocabulary when the head is restricted) and its id map."""
+        if self._sub_ids is None:
+            logits = self.lm.forward(input_ids, all_logits=False)[-1]
+            if logits.shape[0] > self.target_vocab_size:  # padded draft embeddings: never propose those ids
+                logits = logits[: self.target_vocab_size]
+            return logits, None
+        hidden = self.lm.hidden_states(input_ids)[-1]
+        with torch.inference_mode():
+            logits = torch.nn.functional.linear(hidden, self._sub_weight, self._sub_bias)
+        return logits, self._sub_ids
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
+        if max_tokens <= 0:
+            return Proposal()
+        feed = self._sync(context)
+        tokens: list[int] = []
+        prob_rows: list[torch.Tensor] = []
+        for step in range(max_tokens):
+            logits, id_map = self._logits(feed)
+            if self.sampling.greedy:
+                choice = int(logits.argmax().item())
+                if self.confidence_stop > 0.0 and step > 0:
+                    confidence = float(logits.float().softmax(-1)[choice])
+                    if confidence < self.confidence_stop:
+                        break
+            else:
+                probs = target_distribution(logits, self.sampling)
+                choice = int(torch.multinomial(probs, 1, generator=self.generator).item())
+                if self.confidence_stop > 0.0 and step > 0 and float(probs[choice]) < self.confidence_stop:
+                    break
+                prob_rows.append(self._to_target_vocab(probs, id_map))
+            token = choice if id_map is None else int(id_map[choice])
+            tokens.append(token)
+            if step + 1 < max_tokens:
+                feed = torch.tensor([token], dtype=torch.long, device=self.lm.device)
+                self._cached_ids.append(token)
+        draft_probs = torch.stack(prob_rows) if prob_rows else None
+        return Proposal(tokens, draft_probs)
+
+    def _to_target_vocab(self, probs: torch.Tensor, id_map: torch.Tensor | None) -> torch.Tensor:
+        full = torch.zeros(self.target_vocab_size, dtype=probs.dtype, device=probs.device)
+        if id_map is None:
+            width = min(probs.shape[0], self.target_vocab_size)
+            full[:width] = probs[:width]
+        else:
+            inside = id_map < self.target_vocab_size
+            full[id_map[inside]] = probs[inside]
+        return full
+
+    def feedback(self, num_drafted: int, num_accepted: int) -> None:
+        pass

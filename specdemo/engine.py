@@ -1,0 +1,378 @@
+"""Plain and speculative decoding as generators of per-round events.
+
+Both decoders take a prompt (token ids) and yield one :class:`RoundEvent` per target forward pass. The engine
+never prints, never seeds the global RNG and knows nothing of any UI. Each decoder times only its own device work
+(drafting, verification), so two decoders can be interleaved by one consumer (see :mod:`specdemo.race`) without
+either being charged for the other.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from .detok import IncrementalDetokenizer
+from .draft_length import DraftLengthPolicy
+from .drafters import Drafter, Proposal
+from .lm import CausalLM, now
+from .sampling import SamplingSettings, Verdict, accept_greedy, accept_sampling, choose_token, target_distribution
+
+logger = logging.getLogger(__name__)
+
+#: how a token came to be
+ACCEPTED, CORRECTED, BONUS, PLAIN, REJECTED = "accepted", "corrected", "bonus", "plain", "rejected"
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 128
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    stop_on_eos: bool = True
+    #: compute each shown token's draft/target probability for display (outside the timed work)
+    collect_probs: bool = True
+
+    def validate(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a whole number >= 1, got {self.max_new_tokens!r}")
+        if self.max_new_tokens > 32768:
+            raise ValueError(f"max_new_tokens must be at most 32768, got {self.max_new_tokens}")
+        self.sampling.validate()
+
+
+@dataclass
+class TokenEvent:
+    """One token as shown: its id, its text piece, how it was made, and the probabilities behind it."""
+
+    id: int
+    text: str
+    kind: str
+    round: int
+    draft_prob: float | None = None
+    target_prob: float | None = None
+
+
+@dataclass
+class Counters:
+    """Running totals of one decoding run."""
+
+    new_tokens: int = 0
+    target_passes: int = 0
+    rounds: int = 0  # verification rounds (passes after the prefill)
+    drafted: int = 0
+    accepted: int = 0
+    rejection_rounds: int = 0  # rounds in which a draft token was rejected
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens per verification round (bonus included)
+    drafted_at: list[int] = field(default_factory=list)  # per draft position: how often a token was drafted there
+    accepted_at: list[int] = field(default_factory=list)  # ... and accepted there
+
+    def snapshot(self) -> "Counters":
+        """A copy that later rounds do not change."""
+        return replace(
+            self,
+            accepted_lengths=list(self.accepted_lengths),
+            drafted_at=list(self.drafted_at),
+            accepted_at=list(self.accepted_at),
+        )
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_seconds + self.draft_seconds + self.verify_seconds
+
+    def record_round(self, drafted: int, accepted: int, produced: int) -> None:
+        self.rounds += 1
+        self.target_passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if accepted < drafted:
+            self.rejection_rounds += 1
+        self.accepted_lengths.append(produced)
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for position in range(drafted):
+            self.drafted_at[position] += 1
+            if position < accepted:
+                self.accepted_at[position] += 1
+
+
+@dataclass
+class RoundEvent:
+    """What one target forward pass produced."""
+
+    side: str  # "plain" or "spec"
+    round: int  # 0 = the prefill pass
+    tokens: list[TokenEvent]
+    rejected: list[TokenEvent]
+    drafted: int
+    accepted: int
+    draft_seconds: float
+    verify_seconds: float
+    counters: Counters
+    finished: bool = False
+    finish_reason: str | None = None  # "eos" or "length"
+    new_token_ids: list[int] = field(default_factory=list)  # the whole output so far (set on the final event)
+    text: str = ""  # the whole output text so far (set on the final event)
+
+
+class _Output:
+    """Collects accepted ids, finds EOS and the length limit, and turns ids into text pieces."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase | None, settings: GenerationSettings, eos_token_ids: Sequence[int]
+    ) -> None:
+        self.ids: list[int] = []
+        self.limit = settings.max_new_tokens
+        self.eos = set(eos_token_ids) if settings.stop_on_eos else set()
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.finish_reason: str | None = None
+
+    def admit(self, ids: Sequence[int]) -> list[int]:
+        """The prefix of ``ids`` that is kept (up to and including EOS, within the length limit)."""
+        kept: list[int] = []
+        for token in ids:
+            if len(self.ids) + len(kept) >= self.limit:
+                break
+            kept.append(int(token))
+            if token in self.eos:
+                self.finish_reason = "eos"
+                break
+        self.ids.extend(kept)
+        if self.finish_reason is None and len(self.ids) >= self.limit:
+            self.finish_reason = "length"
+        return kept
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        if self.detok is None:
+            return ["" for _ in ids]
+        pieces = [self.detok.add(t) for t in ids]
+        if self.finish_reason is not None and pieces:
+            pieces[-1] += self.detok.flush()
+        return pieces
+
+    @property
+    def text(self) -> str:
+        return self.detok.text if self.detok is not None else ""
+
+
+def _prob(probs: torch.Tensor | None, row: int, token: int) -> float | None:
+    return None if probs is None else float(probs[row, token])
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _check_prompt(prompt_ids: Sequence[int]) -> torch.Tensor:
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    return torch.tensor(list(prompt_ids), dtype=torch.long)
+
+
+def _prefill(
+    target: CausalLM, prompt: torch.Tensor, settings: GenerationSettings, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor, float]:
+    """The prompt's pass: the first new token, its logits row and the seconds it took."""
+    device = getattr(target, "device", torch.device("cpu"))
+    start = now(device)
+    target.reset()
+    logits = target.forward(prompt, all_logits=False)[-1]
+    token = choose_token(logits, settings.sampling, generator)
+    return token, logits, now(device) - start
+
+
+def _finish(event: RoundEvent, output: _Output) -> RoundEvent:
+    if output.finish_reason is not None:
+        event.finished = True
+        event.finish_reason = output.finish_reason
+        event.new_token_ids = list(output.ids)
+        event.text = output.text
+    return event
+
+
+def plain_decode(
+    target: CausalLM,
+    prompt_ids: Sequence[int],
+    settings: GenerationSettings,
+    eos_token_ids: Sequence[int] = (),
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    side: str = "plain",
+) -> Iterator[RoundEvent]:
+    """The baseline: one target pass per token, exactly what ``model.generate`` does."""
+    settings.validate()
+    prompt = _check_prompt(prompt_ids)
+    device = getattr(target, "device", torch.device("cpu"))
+    generator = _generator(settings.sampling.seed, device)
+    output = _Output(tokenizer, settings, eos_token_ids)
+    counters = Counters()
+
+    token, logits, seconds = _prefill(target, prompt, settings, generator)
+    counters.prefill_seconds += seconds
+    counters.target_passes += 1
+    round_index = 0
+    while True:
+        kept = output.admit([token])
+        counters.new_tokens = len(output.ids)
+        target_prob = None
+        if settings.collect_probs:
+            target_prob = float(target_distribution(logits, settings.sampling)[token])
+        pieces = output.pieces(kept)
+        shown = [TokenEvent(token, pieces[0], PLAIN, round_index, None, target_prob)]
+        event = RoundEvent(side, round_index, shown, [], 0, 0, 0.0, seconds, counters.snapshot())
+        yield _finish(event, output)
+        if output.finish_reason is not None:
+            return
+        round_index += 1
+        start = now(device)
+        logits = target.forward(torch.tensor([token]), all_logits=False)[-1]
+        token = choose_token(logits, settings.sampling, generator)
+        seconds = now(device) - start
+        counters.verify_seconds += seconds
+        counters.record_round(0, 0, 1)
+
+
+def speculative_decode(
+    target: CausalLM,
+    drafter: Drafter,
+    policy: DraftLengthPolicy,
+    prompt_ids: Sequence[int],
+    settings: GenerationSettings,
+    eos_token_ids: Sequence[int] = (),
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    side: str = "spec",
+) -> Iterator[RoundEvent]:
+    """Speculative decoding: draft, one verify pass over [last token + draft], vectorised acceptance.
+
+    Greedy settings keep the longest draft prefix matching the target's argmax and add the target's own token;
+    sampling settings use rejection sampling. The target cache is cropped by the rejected tokens, never rebuilt.
+    """
+    settings.validate()
+    sampling = settings.sampling
+    prompt = _check_prompt(prompt_ids)
+    device = getattr(target, "device", torch.device("cpu"))
+    generator = _generator(sampling.seed, device)
+    output = _Output(tokenizer, settings, eos_token_ids)
+    counters = Counters()
+
+    token, logits, seconds = _prefill(target, prompt, settings, generator)
+    drafter.start(prompt_ids)
+    counters.prefill_seconds += seconds
+    counters.target_passes += 1
+    context: list[int] = [int(t) for t in prompt_ids]
+
+    kept = output.admit([token])
+    context.extend(kept)
+    counters.new_tokens = len(output.ids)
+    target_prob = float(target_distribution(logits, sampling)[token]) if settings.collect_probs else None
+    first = [TokenEvent(token, output.pieces(kept)[0], PLAIN, 0, None, target_prob)]
+    yield _finish(RoundEvent(side, 0, first, [], 0, 0, 0.0, seconds, counters.snapshot()), output)
+    if output.finish_reason is not None:
+        return
+
+    round_index = 0
+    while True:
+        round_index += 1
+        remaining = settings.max_new_tokens - len(output.ids)
+        wanted = min(policy.next_length(), remaining - 1)
+
+        start = now(device)
+        proposal = drafter.propose(context, wanted) if wanted > 0 else Proposal()
+        draft_tokens = torch.tensor(proposal.tokens[:wanted], dtype=torch.long, device=device)
+        num_drafted = int(draft_tokens.numel())
+        draft_probs = proposal.draft_probs[:num_drafted] if proposal.draft_probs is not None else None
+        drafted_at = now(device)
+
+        verify_input = torch.cat([torch.tensor([context[-1]], device=device), draft_tokens])
+        target_logits = target.forward(verify_input, all_logits=True)
+        target_probs = None
+        if sampling.greedy:
+            verdict: Verdict = accept_greedy(draft_tokens, target_logits)
+        else:
+            target_probs = target_distribution(target_logits, sampling)
+            verdict = accept_sampling(draft_tokens, draft_probs, target_probs, generator)
+        target.rollback(num_drafted - verdict.num_accepted)
+        verified_at = now(device)
+
+        draft_seconds, verify_seconds = drafted_at - start, verified_at - drafted_at
+        counters.draft_seconds += draft_seconds
+        counters.verify_seconds += verify_seconds
+        drafter.feedback(num_drafted, verdict.num_accepted)
+        policy.update(num_drafted, verdict.num_accepted, draft_seconds, verify_seconds)
+
+        produced = proposal.tokens[: verdict.num_accepted] + [verdict.next_token]
+        kept = output.admit(produced)
+        context.extend(kept)
+        counters.record_round(num_drafted, verdict.num_accepted, len(produced))
+        counters.new_tokens = len(output.ids)
+
+        # --- what is shown (not timed) ---
+        if settings.collect_probs and target_probs is None:
+            target_probs = target_distribution(target_logits, sampling)
+        if num_drafted == 0:
+            last_kind = PLAIN
+        elif verdict.num_accepted == num_drafted:
+            last_kind = BONUS
+        else:
+            last_kind = CORRECTED
+        pieces = output.pieces(kept)
+        shown: list[TokenEvent] = []
+        for position, (token_id, piece) in enumerate(zip(kept, pieces)):
+            is_draft = position < verdict.num_accepted
+            shown.append(
+                TokenEvent(
+                    token_id,
+                    piece,
+                    ACCEPTED if is_draft else last_kind,
+                    round_index,
+                    _prob(draft_probs, position, token_id) if is_draft else None,
+                    _prob(target_probs, position, token_id),
+                )
+            )
+        rejected: list[TokenEvent] = []
+        if tokenizer is not None and verdict.num_accepted < num_drafted and output.finish_reason != "eos":
+            for position in range(verdict.num_accepted, num_drafted):
+                token_id = int(proposal.tokens[position])
+                rejected.append(
+                    TokenEvent(
+                        token_id,
+                        tokenizer.decode([token_id]),
+                        REJECTED,
+                        round_index,
+                        _prob(draft_probs, position, token_id),
+                        _prob(target_probs, position, token_id) if position == verdict.num_accepted else None,
+                    )
+                )
+        event = RoundEvent(
+            side,
+            round_index,
+            shown,
+            rejected,
+            num_drafted,
+            verdict.num_accepted,
+            draft_seconds,
+            verify_seconds,
+            counters.snapshot(),
+        )
+        yield _finish(event, output)
+        if output.finish_reason is not None:
+            return
+
+
+def collect(events: Iterator[RoundEvent]) -> RoundEvent:
+    """Run a decoder to the end and return its final event."""
+    last = None
+    for last in events:
+        pass
+    if last is None:
+        raise RuntimeError("the decoder produced no event")
+    return last

@@ -1,0 +1,132 @@
+"""Sampling settings, logit warping and the acceptance rules of speculative decoding.
+
+The same :func:`target_distribution` is used by the plain baseline and by verification, so sampled speculative
+output follows exactly the distribution the target alone would sample from.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How the next token is chosen. ``temperature == 0`` means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature > 100.0:
+            raise ValueError(f"temperature must be between 0 and 100, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def warp_logits(logits: torch.Tensor, sampling: SamplingSettings) -> torch.Tensor:
+    """Temperature, then top-k, then top-p on the last dimension; filtered entries become -inf (float32)."""
+    scores = logits.float()
+    if sampling.greedy:
+        return scores
+    scores = scores / sampling.temperature
+    vocab_size = scores.shape[-1]
+    if 0 < sampling.top_k < vocab_size:
+        kth_best = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth_best, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        # drop the low tail whose mass is at most 1 - top_p; the best token always stays
+        remove_sorted = cumulative <= (1.0 - sampling.top_p)
+        remove_sorted[..., -1] = False
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores
+
+
+def target_distribution(logits: torch.Tensor, sampling: SamplingSettings) -> torch.Tensor:
+    """Probabilities the next token is drawn from (float32). For greedy settings: plain softmax (display only)."""
+    return warp_logits(logits, sampling).softmax(dim=-1)
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw one token id from a 1-D probability vector."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def choose_token(logits: torch.Tensor, sampling: SamplingSettings, generator: torch.Generator | None) -> int:
+    """The baseline's choice for one position: argmax when greedy, else a draw from the warped distribution."""
+    if sampling.greedy:
+        return int(logits.argmax(dim=-1).item())
+    return sample_token(target_distribution(logits, sampling), generator)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of one verification: how many draft tokens were accepted and the target's own next token."""
+
+    num_accepted: int
+    next_token: int
+
+
+def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
+    """Longest prefix of the draft that matches the target's argmax, then the target's argmax after it.
+
+    ``draft_tokens``: [k] ids; ``target_logits``: [k + 1, V] logits at [last token + draft].
+    """
+    target_choice = target_logits.argmax(dim=-1)
+    num_drafted = draft_tokens.shape[0]
+    matches = (draft_tokens == target_choice[:num_drafted]).to(torch.int64)
+    num_accepted = int(matches.cumprod(dim=0).sum().item()) if num_drafted else 0
+    return Verdict(num_accepted, int(target_choice[num_accepted].item()))
+
+
+def accept_sampling(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Rejection sampling (Leviathan et al. 2023; Chen et al. 2023), vectorised over the draft positions.
+
+    ``draft_probs`` is [k, V] (the distribution each draft token was sampled from) or None for drafters without
+    probabilities (n-gram lookup), which propose a point mass. ``target_probs`` is [k + 1, V]. Draft token i is
+    kept with probability min(1, target/draft); at the first rejection the token is drawn from the residual
+    max(0, target - draft) renormalised; when all are kept a bonus token is drawn from the last target row.
+    """
+    num_drafted = draft_tokens.shape[0]
+    positions = torch.arange(num_drafted, device=target_probs.device)
+    target_at_draft = target_probs[positions, draft_tokens]
+    if draft_probs is None:
+        draft_at_draft = torch.ones_like(target_at_draft)
+    else:
+        draft_at_draft = draft_probs[positions, draft_tokens]
+    uniforms = torch.rand(num_drafted, generator=generator, device=target_probs.device)
+    # u < t/d  <=>  u * d < t  (avoids dividing by a zero draft probability)
+    kept = (uniforms * draft_at_draft < target_at_draft).to(torch.int64)
+    num_accepted = int(kept.cumprod(dim=0).sum().item()) if num_drafted else 0
+    if num_accepted == num_drafted:
+        return Verdict(num_accepted, sample_token(target_probs[num_drafted], generator))
+    row = target_probs[num_accepted]
+    if draft_probs is None:
+        residual = row.clone()
+        residual[draft_tokens[num_accepted]] = 0.0
+    else:
+        residual = (row - draft_probs[num_accepted]).clamp_min(0.0)
+    total = residual.sum()
+    if float(total) <= 0.0:  # only reachable through rounding: target == draft there
+        residual, total = row, row.sum()
+    return Verdict(num_accepted, sample_token(residual / total, generator))
