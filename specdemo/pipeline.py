@@ -1,0 +1,138 @@
+"""Glue between loaded models and the engine: prompt encoding, drafter construction, decoder pairs.
+
+The bench and the app both go through here, so a mode means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .draft_length import make_policy
+from .drafters import DraftModelDrafter, Drafter, NgramDrafter
+from .engine import GenerationSettings, RoundEvent, plain_decode, speculative_decode
+from .lm import CachedLM
+from .models import LoadedModel, same_tokenizer
+
+logger = logging.getLogger(__name__)
+
+#: speculative modes; "plain" is the baseline every mode is compared with
+SPEC_MODES: dict[str, str] = {
+    "draft": "draft model (same tokenizer)",
+    "ngram": "n-gram prompt lookup (no draft model)",
+}
+MODES_NEEDING_DRAFT = {"draft"}
+
+
+class InputError(ValueError):
+    """Bad user input, with a message fit to show as is."""
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """How the speculative side drafts."""
+
+    mode: str = "draft"
+    draft_length: int | str = "adaptive"  # k, "adaptive" (cost-aware) or "heuristic" (+2/-1)
+    max_draft_length: int = 12
+    head_tokens: int | None = None  # draft LM head restricted to this many frequent ids; None = auto, 0 = full
+    confidence_stop: float = 0.0
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def validate(self) -> None:
+        if self.mode not in SPEC_MODES:
+            raise InputError(f"unknown mode {self.mode!r}; choose one of: {', '.join(SPEC_MODES)}")
+        make_policy(self.draft_length, self.max_draft_length)
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InputError(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
+
+
+def encode_prompt(target: LoadedModel, text: str, chat: bool = True) -> list[int]:
+    """Token ids of a prompt: one user turn through the chat template (when the tokenizer has one), or raw text."""
+    if not text or not text.strip():
+        raise InputError("the prompt is empty: type something to continue")
+    tokenizer = target.tokenizer
+    if chat and getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        ids = list(encoded["input_ids"])
+    else:
+        ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if not ids:
+        raise InputError("the prompt encodes to no tokens")
+    return [int(i) for i in ids]
+
+
+def check_lengths(target: LoadedModel, prompt_ids: list[int], settings: GenerationSettings) -> None:
+    """Refuse runs that cannot fit the target's context window, with one clear line."""
+    try:
+        settings.validate()
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    limit = target.max_context
+    if limit is not None and len(prompt_ids) + settings.max_new_tokens > limit:
+        raise InputError(
+            f"prompt ({len(prompt_ids)} tokens) + max new tokens ({settings.max_new_tokens}) exceeds the model's "
+            f"context of {limit} tokens; shorten the prompt or lower max new tokens"
+        )
+
+
+def check_pair(mode: str, target: LoadedModel, draft: LoadedModel | None) -> None:
+    if mode in MODES_NEEDING_DRAFT:
+        if draft is None:
+            raise InputError(f"mode {mode!r} needs a draft model")
+        if not same_tokenizer(target.tokenizer, draft.tokenizer):
+            raise InputError(
+                f"the draft {draft.source!r} uses a different tokenizer from the target {target.source!r}: "
+                "draft mode compares token ids, so it needs the same tokenizer"
+            )
+
+
+def _seeded(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed + 1)  # the drafter's stream is its own, never the target's
+    return generator
+
+
+def make_drafter(
+    spec: SpecSettings, target: LoadedModel, draft: LoadedModel | None, settings: GenerationSettings
+) -> Drafter:
+    spec.validate()
+    check_pair(spec.mode, target, draft)
+    if spec.mode == "ngram":
+        return NgramDrafter(spec.ngram_min, spec.ngram_max)
+    assert draft is not None
+    return DraftModelDrafter(
+        draft.model,
+        settings.sampling,
+        target_vocab_size=target.model.get_output_embeddings().weight.shape[0],
+        eos_token_ids=target.eos_token_ids,
+        head_tokens=spec.head_tokens,
+        confidence_stop=spec.confidence_stop,
+        generator=_seeded(settings.sampling.seed, draft.device),
+    )
+
+
+def plain_events(target: LoadedModel, prompt_ids: list[int], settings: GenerationSettings) -> Iterator[RoundEvent]:
+    return plain_decode(CachedLM(target.model), prompt_ids, settings, target.eos_token_ids, target.tokenizer)
+
+
+def spec_events(
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    prompt_ids: list[int],
+    settings: GenerationSettings,
+    spec: SpecSettings,
+) -> Iterator[RoundEvent]:
+    drafter = make_drafter(spec, target, draft, settings)
+    policy = make_policy(spec.draft_length, spec.max_draft_length)
+    return speculative_decode(
+        CachedLM(target.model), drafter, policy, prompt_ids, settings, target.eos_token_ids, target.tokenizer
+    )

@@ -1,0 +1,110 @@
+"""Ready-made target/draft model pairs for speculative decoding."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from . import offline
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PairPreset:
+    """A target model and a small draft model sharing its tokenizer."""
+
+    key: str
+    label: str
+    target: str
+    draft: str
+    description: str
+    hardware: str
+
+
+PRESETS: dict[str, PairPreset] = {
+    preset.key: preset
+    for preset in (
+        PairPreset(
+            key="offline-qwen-coder",
+            label="Qwen2.5-Coder 1.5B + 0.5B (offline pack)",
+            target="offline:qwen2.5-coder-1.5b",
+            draft="offline:qwen2.5-coder-0.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct drafted by Qwen2.5-Coder-0.5B-Instruct, from the offline "
+            "pack (Q4_K_M GGUF dequantized); no network needed.",
+            hardware="CPU ok (2 cores, bf16; ~6 GB RAM; first use converts ~2 min, 9 GB disk)",
+        ),
+        PairPreset(
+            key="qwen2.5-7b",
+            label="Qwen2.5 7B + 0.5B (Hub)",
+            target="Qwen/Qwen2.5-7B-Instruct",
+            draft="Qwen/Qwen2.5-0.5B-Instruct",
+            description="Qwen2.5-7B-Instruct drafted by Qwen2.5-0.5B-Instruct; downloads ~16 GB from the Hub.",
+            hardware="GPU with ≥24 GB (or ≥12 GB with 8-bit)",
+        ),
+        PairPreset(
+            key="llama-3.1-8b",
+            label="Llama 3.1 8B + 3.2 1B (Hub, gated)",
+            target="meta-llama/Llama-3.1-8B-Instruct",
+            draft="meta-llama/Llama-3.2-1B-Instruct",
+            description="Llama-3.1-8B-Instruct drafted by Llama-3.2-1B-Instruct; gated on the Hub: accept Meta's "
+            "licence and log in (hf auth login) first.",
+            hardware="GPU with ≥24 GB (or ≥12 GB with 8-bit)",
+        ),
+        PairPreset(
+            key="smollm2-1.7b",
+            label="SmolLM2 1.7B + 135M (Hub)",
+            target="HuggingFaceTB/SmolLM2-1.7B-Instruct",
+            draft="HuggingFaceTB/SmolLM2-135M-Instruct",
+            description="SmolLM2-1.7B-Instruct drafted by SmolLM2-135M-Instruct; downloads ~4 GB from the Hub.",
+            hardware="CPU ok (bf16; ~8 GB RAM), any GPU",
+        ),
+        PairPreset(
+            key="qwen2.5-coder-7b",
+            label="Qwen2.5-Coder 7B + 0.5B (Hub)",
+            target="Qwen/Qwen2.5-Coder-7B-Instruct",
+            draft="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            description="Qwen2.5-Coder-7B-Instruct drafted by Qwen2.5-Coder-0.5B-Instruct; downloads ~16 GB "
+            "from the Hub.",
+            hardware="GPU with ≥24 GB (or ≥12 GB with 8-bit)",
+        ),
+    )
+}
+
+OFFLINE_PRESET_KEY = "offline-qwen-coder"
+
+
+def get_preset(key: str) -> PairPreset:
+    """The preset called ``key``; ValueError listing the known keys otherwise."""
+    try:
+        return PRESETS[key]
+    except KeyError:
+        raise ValueError(f"unknown preset '{key}'; known: {', '.join(PRESETS)}") from None
+
+
+def preset_installed(preset: PairPreset) -> bool:
+    """True when every offline model of ``preset`` is installed (Hub models count as available)."""
+    for source in (preset.target, preset.draft):
+        if offline.is_offline_source(source) and not offline.offline_installed(offline.offline_name(source)):
+            return False
+    return True
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def default_preset_key() -> str:
+    """The offline pair when its pack is installed, else a Hub pair suited to the hardware."""
+    if preset_installed(PRESETS[OFFLINE_PRESET_KEY]):
+        return OFFLINE_PRESET_KEY
+    return "qwen2.5-7b" if _cuda_available() else "smollm2-1.7b"
+
+
+def preset_choices() -> list[tuple[str, str]]:
+    """``(label, key)`` pairs in display order, for a dropdown."""
+    return [(preset.label, preset.key) for preset in PRESETS.values()]

@@ -1,0 +1,171 @@
+"""Greedy speculative output equals the target alone, token for token (float32), in every configuration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdemo.draft_length import CostAwareDraftLength, FixedDraftLength, HeuristicDraftLength, make_policy
+from specdemo.drafters import DraftModelDrafter, NgramDrafter
+from specdemo.engine import ACCEPTED, BONUS, CORRECTED, PLAIN, GenerationSettings, collect, plain_decode, speculative_decode
+from specdemo.lm import CachedLM
+from specdemo.sampling import SamplingSettings
+
+from tiny import VOCAB, gpt2, llama, qwen2, reference_greedy
+
+PROMPTS = [
+    [5, 7, 9, 11, 5, 7, 9, 3, 2, 1],
+    [1],
+    [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41],
+]
+GREEDY = SamplingSettings()
+
+
+def _targets():
+    return {"llama": llama(1), "qwen2": qwen2(3), "gpt2": gpt2(5)}
+
+
+TARGETS = _targets()
+
+
+def _drafters(name: str, target):
+    small = {"llama": llama(2, layers=1), "qwen2": qwen2(4, layers=1), "gpt2": gpt2(6, layers=1)}[name]
+    return {
+        "same-model": DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=0),
+        "small-model": DraftModelDrafter(small, GREEDY, VOCAB),
+        "restricted-head": DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=40),
+        "random-model": DraftModelDrafter(llama(99, layers=1), GREEDY, VOCAB),
+        "ngram": NgramDrafter(1, 3),
+    }
+
+
+CASES = [("llama", 1), ("llama", 4), ("llama", "heuristic"), ("qwen2", 2), ("qwen2", "adaptive"), ("gpt2", 3), ("gpt2", 7)]
+
+
+@pytest.mark.parametrize("name,k", CASES)
+def test_greedy_equals_generate(name: str, k):
+    target = TARGETS[name]
+    settings = GenerationSettings(max_new_tokens=24)
+    for prompt in PROMPTS:
+        expected = reference_greedy(target, prompt, 24)
+        assert collect(plain_decode(CachedLM(target), prompt, settings)).new_token_ids == expected
+        for label, drafter in _drafters(name, target).items():
+            final = collect(speculative_decode(CachedLM(target), drafter, make_policy(k), prompt, settings))
+            assert final.new_token_ids == expected, (name, k, label, prompt)
+            assert final.finish_reason == "length"
+
+
+def test_identical_draft_accepts_everything_and_random_draft_almost_nothing():
+    target = TARGETS["llama"]
+    settings = GenerationSettings(max_new_tokens=33)
+    same = collect(speculative_decode(CachedLM(target), DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=0), FixedDraftLength(4), PROMPTS[0], settings))
+    assert same.counters.accepted == same.counters.drafted > 0
+    assert same.counters.target_passes == 1 + 32 // 5 + (1 if 32 % 5 else 0)
+    rand = collect(speculative_decode(CachedLM(target), DraftModelDrafter(llama(1234, layers=1), GREEDY, VOCAB), FixedDraftLength(4), PROMPTS[0], settings))
+    assert rand.counters.accepted <= rand.counters.drafted // 4
+    assert rand.new_token_ids == same.new_token_ids
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 4, 5, 6, 9])
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_exactly_max_new_tokens(limit: int, k: int):
+    target = TARGETS["qwen2"]
+    settings = GenerationSettings(max_new_tokens=limit)
+    expected = reference_greedy(target, PROMPTS[0], limit)
+    for drafter in (DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=0), NgramDrafter()):
+        final = collect(speculative_decode(CachedLM(target), drafter, FixedDraftLength(k), PROMPTS[0], settings))
+        assert final.new_token_ids == expected
+        assert len(final.new_token_ids) == limit
+
+
+def test_eos_inside_a_draft_stops_there():
+    target = TARGETS["llama"]
+    prompt = PROMPTS[0]
+    free_run = reference_greedy(target, prompt, 30)
+    # choose as EOS a token that first appears in the middle of the output, so it arrives inside accepted drafts
+    for position in (3, 7, 12):
+        eos = free_run[position]
+        expected = reference_greedy(target, prompt, 30, eos=[eos])
+        assert expected[-1] == eos and len(expected) <= 30
+        settings = GenerationSettings(max_new_tokens=30)
+        for k in (2, 5, 8):
+            drafter = DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=0)  # everything accepted: EOS mid-draft
+            final = collect(speculative_decode(CachedLM(target), drafter, FixedDraftLength(k), prompt, settings, [eos]))
+            assert final.new_token_ids == expected
+            assert final.finish_reason == "eos"
+        plain = collect(plain_decode(CachedLM(target), prompt, settings, [eos]))
+        assert plain.new_token_ids == expected
+
+
+def test_token_kinds_and_counters_are_consistent():
+    target = TARGETS["gpt2"]
+    settings = GenerationSettings(max_new_tokens=40)
+    drafter = DraftModelDrafter(gpt2(6, layers=1), GREEDY, VOCAB)
+    events = list(speculative_decode(CachedLM(target), drafter, FixedDraftLength(3), PROMPTS[2], settings))
+    tokens = [t for e in events for t in e.tokens]
+    assert [t.id for t in tokens] == events[-1].new_token_ids
+    assert tokens[0].kind == PLAIN  # the prefill's token
+    for event in events[1:]:
+        kinds = [t.kind for t in event.tokens]
+        assert kinds[: event.accepted] == [ACCEPTED] * event.accepted
+        if not event.finished:
+            assert kinds[-1] == (BONUS if event.accepted == event.drafted else CORRECTED)
+        assert len(event.rejected) == event.drafted - event.accepted
+        assert all(0.0 <= (t.target_prob or 0.0) <= 1.0 for t in event.tokens)
+    last = events[-1].counters
+    assert last.accepted == sum(e.accepted for e in events) and last.drafted == sum(e.drafted for e in events)
+    assert last.target_passes == len(events)
+    assert last.new_tokens == 40
+
+
+def test_cache_is_rolled_back_not_rebuilt():
+    target = TARGETS["llama"]
+    lm = CachedLM(target)
+    calls = []
+    original = lm.forward
+
+    def spy(ids, all_logits=True):
+        calls.append(int(ids.numel()))
+        return original(ids, all_logits)
+
+    lm.forward = spy
+    drafter = DraftModelDrafter(llama(77, layers=1), GREEDY, VOCAB)
+    collect(speculative_decode(lm, drafter, FixedDraftLength(4), PROMPTS[0], GenerationSettings(max_new_tokens=20)))
+    assert calls[0] == len(PROMPTS[0])  # the prompt is encoded once
+    assert all(n <= 5 for n in calls[1:])  # later passes only see [last token + draft]
+
+
+def test_bad_settings_are_refused():
+    target = TARGETS["llama"]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        collect(plain_decode(CachedLM(target), [1, 2], GenerationSettings(max_new_tokens=0)))
+    with pytest.raises(ValueError, match="empty"):
+        collect(plain_decode(CachedLM(target), [], GenerationSettings()))
+    with pytest.raises(ValueError):
+        make_policy(0)
+    with pytest.raises(ValueError):
+        make_policy("sometimes")
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingSettings(temperature=1.0, top_p=0.0).validate()
+
+
+def test_policies():
+    heuristic = HeuristicDraftLength(k=5)
+    heuristic.update(5, 5, 0.1, 0.1)
+    assert heuristic.next_length() == 7
+    heuristic.update(7, 2, 0.1, 0.1)
+    assert heuristic.next_length() == 6
+    costly = CostAwareDraftLength()
+    assert costly.next_length() == 4
+    costly.update(4, 0, 0.4, 0.1)  # slow drafts, all rejected
+    assert costly.next_length() == 0  # measures a plain step
+    costly.update(0, 0, 0.0, 0.1)
+    for _ in range(5):
+        k = costly.next_length()
+        costly.update(k, 0, 0.1 * k, 0.1)
+    assert costly.next_length() == 0  # drafting does not pay: plain steps
+    cheap = CostAwareDraftLength()
+    for _ in range(20):
+        k = cheap.next_length()
+        cheap.update(k, k, 0.001 * k, 0.1 + 0.001 * k)  # cheap drafts, all accepted
+    assert cheap.next_length() >= 8
