@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m specdemo.bench",
         description="Benchmark plain vs speculative decoding (exact output, fair timing).",
     )
-    parser.add_argument("--pair", help=f"pair preset: {', '.join(p.key for p in PRESETS)} (default: offline pair if installed)")
+    parser.add_argument("--pair", help=f"pair preset: {', '.join(PRESETS)} (default: offline pair if installed)")
     parser.add_argument("--target", help="target model: offline:NAME, Hub id, local folder or .gguf file")
     parser.add_argument("--draft", help="draft model (same sources as --target)")
     parser.add_argument("--modes", default="plain,draft,ngram", help=f"comma list from: {', '.join(ALL_MODES)}")

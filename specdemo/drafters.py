@@ -44,10 +44,12 @@ class Drafter(Protocol):
 
 
 class NgramIndex:
-    """Maps every n-gram (min_n..max_n) of a growing token sequence to the end of its most recent occurrence.
+    """Maps every n-gram (min_n..max_n) of a growing token sequence to the ends of its two latest occurrences.
 
     Only occurrences followed by at least one token are indexed, so a lookup of the sequence's own suffix finds an
-    earlier occurrence with a continuation. Updating is incremental: each new position is indexed once.
+    earlier occurrence with a continuation. The most recent occurrence is preferred; the one before it is used when
+    the latest leaves too short a continuation (it overlaps the suffix, as in a repeated pattern). Updating is
+    incremental: each new position is indexed once.
     """
 
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
@@ -56,7 +58,7 @@ class NgramIndex:
         self.min_n = min_n
         self.max_n = max_n
         self.tokens: list[int] = []
-        self._last_end: dict[tuple[int, ...], int] = {}
+        self._last_end: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (previous end, latest end)
         self._indexed_ends = 0  # ends 0.._indexed_ends-1 are in the table
 
     def reset(self) -> None:
@@ -74,21 +76,28 @@ class NgramIndex:
         tokens = self.tokens
         for end in range(self._indexed_ends, len(tokens) - 1):
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                self._last_end[tuple(tokens[end - n + 1 : end + 1])] = end
+                key = tuple(tokens[end - n + 1 : end + 1])
+                self._last_end[key] = (self._last_end.get(key, (-1, -1))[1], end)
         self._indexed_ends = max(self._indexed_ends, len(tokens) - 1)
 
     def lookup(self, max_tokens: int) -> list[int]:
         """Continuation of the longest suffix n-gram that occurred before (most recent occurrence)."""
         tokens = self.tokens
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            end = self._last_end.get(tuple(tokens[len(tokens) - n :]))
-            if end is not None:
-                return tokens[end + 1 : end + 1 + max_tokens]
+            ends = self._last_end.get(tuple(tokens[len(tokens) - n :]))
+            if ends is not None:
+                previous, latest = ends
+                continuation = tokens[latest + 1 : latest + 1 + max_tokens]
+                if len(continuation) < max_tokens and previous >= 0:
+                    earlier = tokens[previous + 1 : previous + 1 + max_tokens]
+                    if len(earlier) > len(continuation):
+                        return earlier
+                return continuation
         return []
 
 
 class NgramDrafter:
-    """Prompt lookup decoding: propose what followed the most recent earlier occurrence of the context's suffix."""
+    """Prompt lookup decoding: propose what followed an earlier occurrence of the context's longest suffix n-gram."""
 
     name = "ngram"
 

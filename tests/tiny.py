@@ -60,3 +60,43 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: list[in
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), generation_config=config)
     return out[0, len(prompt) :].tolist()
+
+
+def byte_tokenizer():
+    """A small byte-level BPE tokenizer (trained here), with EOS and a minimal chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    corpus = [
+        "def add(a, b):\n    return a + b\n",
+        "The quick brown fox jumps over the lazy dog. Café naïve 日本語 😀",
+        "Summarize the following text in two sentences. Translate to French: bonjour le monde.",
+    ] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    return tokenizer
+
+
+def save_tiny_pair(folder, vocab: int = 320) -> tuple[str, str]:
+    """Save a tiny target and draft (same tokenizer) as local model folders; return their paths."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    tokenizer = byte_tokenizer()
+    paths = []
+    for name, seed, layers in (("target", 11, 2), ("draft", 12, 1)):
+        model = llama(seed, layers=layers, vocab=vocab)
+        model.config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        path = folder / name
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths.append(str(path))
+    return paths[0], paths[1]

@@ -1,0 +1,106 @@
+"""The benchmark CLI on tiny local models: JSON keys, identity with plain, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdemo import bench
+from specdemo.models import clear_model_cache
+
+from tiny import save_tiny_pair
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[str, str]:
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    rows = [
+        {"question_id": 1, "category": "coding", "turns": ["def add(a, b):\n    return a + b\n", "again"]},
+        {"id": "s1", "category": "summary", "prompt": "The quick brown fox jumps over the lazy dog."},
+        {"id": "s2", "category": "summary", "prompt": "Café naïve 日本語 😀 def add(a, b): return a + b"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _run(pair, prompt_file, tmp_path, *extra: str) -> dict:
+    clear_model_cache()
+    out = tmp_path / "out.json"
+    code = bench.main(
+        [
+            "--target", pair[0], "--draft", pair[1], "--prompts", str(prompt_file), "--dtype", "float32",
+            "--device", "cpu", "--max-new-tokens", "12", "--warmup", "1", "--json", str(out), "--quiet", *extra,
+        ]
+    )
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_json_and_identity(pair, prompt_file, tmp_path, capsys):
+    report = _run(pair, prompt_file, tmp_path, "--modes", "plain,draft,ngram,hf-plain,hf-assisted,hf-lookup",
+                  "--plot", str(tmp_path / "chart.png"), "--num-draft-tokens", "3")
+    table = capsys.readouterr().out
+    assert "ALL" in table and "speedup" in table
+    assert (tmp_path / "chart.png").stat().st_size > 1000
+    results = report["results"]
+    assert len(results) == 3 * 6
+    required = {"id", "category", "mode", "new_token_ids", "text", "seconds", "tokens_per_s", "target_passes",
+                "drafted", "accepted", "identical_to_plain", "first_divergence", "divergence_margin"}
+    for row in results:
+        assert required <= set(row)
+        assert row["identical_to_plain"] is True, row  # float32 greedy: every mode writes what plain writes
+        assert row["first_divergence"] is None
+    assert {r["id"] for r in results} == {"1", "s1", "s2"}
+    for mode in ("plain", "draft", "ngram"):
+        for key in ("tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_length"):
+            assert key in report["summary"][mode]
+    assert report["summary"]["plain"]["speedup"] == pytest.approx(1.0)
+    assert set(report["by_category"]) == {"coding", "summary"}
+    assert report["summary"]["draft"]["acceptance_rate"] is not None
+    assert report["environment"]["dtype"] == "float32"
+
+
+def test_bench_sampling_runs(pair, prompt_file, tmp_path):
+    report = _run(pair, prompt_file, tmp_path, "--modes", "draft", "--temperature", "0.8", "--top-p", "0.9",
+                  "--limit", "1", "--repeats", "2")
+    assert [r["mode"] for r in report["results"]] == ["plain", "draft"]
+    assert len(report["results"][0]["seconds_all_repeats"]) == 2
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--modes", "plain,warp"], "unknown mode"),
+        (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--target", "offline:nope"], "offline"),
+        (["--num-draft-tokens", "often"], "draft length"),
+    ],
+)
+def test_bench_bad_input_is_one_clear_line(pair, prompt_file, tmp_path, capsys, args, message):
+    out = tmp_path / "never.json"
+    code = bench.main(["--target", pair[0], "--draft", pair[1], "--prompts", str(prompt_file), "--dtype", "float32",
+                       "--quiet", "--json", str(out), *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert message in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_bench_empty_prompt_file(pair, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert bench.main(["--target", pair[0], "--prompts", str(empty), "--quiet"]) == 2
+    assert "no prompts" in capsys.readouterr().err.lower()
+
+
+def test_divergence_helper():
+    assert bench.divergence([1, 2, 3], [1, 2, 3]) is None
+    assert bench.divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert bench.divergence([1, 2, 3], [1, 2]) == 2

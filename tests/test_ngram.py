@@ -1,0 +1,61 @@
+"""The n-gram (prompt lookup) matcher."""
+
+from specdemo.drafters import NgramDrafter, NgramIndex
+
+
+def test_longest_suffix_match_wins():
+    index = NgramIndex(1, 3)
+    #          0  1  2  3  4  5  6  7  8  9
+    index.extend([1, 2, 3, 4, 9, 3, 5, 1, 2, 3])
+    # suffix (1, 2, 3) occurred at 0..2 and was followed by 4, 9, 3; the 1-gram (3) last occurred at 5 (-> 5)
+    assert index.lookup(3) == [4, 9, 3]
+
+
+def test_most_recent_occurrence_is_preferred():
+    index = NgramIndex(1, 2)
+    index.extend([7, 8, 1, 7, 8, 2, 7, 8])
+    assert index.lookup(1) == [2]
+
+
+def test_falls_back_to_shorter_ngrams_and_to_nothing():
+    index = NgramIndex(1, 3)
+    index.extend([5, 6, 7, 1, 2, 7])
+    assert index.lookup(2) == [1, 2]  # only the 1-gram (7) matches
+    none = NgramIndex(2, 3)
+    none.extend([1, 2, 3, 4])
+    assert none.lookup(4) == []
+
+
+def test_continuation_may_run_into_the_suffix_and_is_capped():
+    index = NgramIndex(1, 2)
+    index.extend([4, 4, 4])
+    assert index.lookup(5) == [4]  # (4, 4) last ended at 1; followed by one token only
+    index.extend([4, 4, 4, 4])
+    assert len(index.lookup(2)) == 2
+
+
+def test_incremental_updates_equal_a_fresh_index():
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]
+    growing = NgramIndex(1, 4)
+    for end in range(1, len(tokens) + 1):
+        growing.extend(tokens[:end])
+        fresh = NgramIndex(1, 4)
+        fresh.extend(tokens[:end])
+        assert growing.lookup(5) == fresh.lookup(5)
+        assert growing._last_end == fresh._last_end
+
+
+def test_a_different_sequence_resets_the_index():
+    index = NgramIndex(1, 2)
+    index.extend([1, 2, 3, 1])
+    assert index.lookup(2) == [2, 3]
+    index.extend([9, 9, 8, 9])
+    assert index.lookup(2) == [8, 9]  # (9) last ended at 1, followed by 8, 9
+
+
+def test_drafter_interface():
+    drafter = NgramDrafter(1, 3)
+    drafter.start([1, 2, 3])
+    assert drafter.propose([1, 2, 3, 1, 2], 4).tokens == [3, 1, 2]
+    assert drafter.propose([1, 2, 3, 1, 2], 0).tokens == []
+    assert drafter.propose([1, 2, 3, 1, 2], 4).draft_probs is None
