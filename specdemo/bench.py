@@ -38,6 +38,7 @@ HF_MODES = {
     "hf-plain": "model.generate(do_sample=...) (stock baseline)",
     "hf-assisted": "model.generate(assistant_model=draft), transformers' defaults",
     "hf-lookup": "model.generate(prompt_lookup_num_tokens=N)",
+    "hf-uag": "model.generate(assistant_model=draft, tokenizer=..., assistant_tokenizer=...) (different tokenizers)",
 }
 ALL_MODES = ["plain", *SPEC_MODES, *HF_MODES]
 
@@ -72,6 +73,7 @@ class BenchConfig:
     hf_lookup_tokens: int
     limit: int | None = None
     categories: list[str] | None = None
+    uag_draft: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -117,6 +119,10 @@ def _run_hf(
         kwargs["assistant_model"] = draft.model
     elif mode == "hf-lookup":
         kwargs["prompt_lookup_num_tokens"] = lookup_tokens
+    elif mode == "hf-uag":
+        if draft is None:
+            raise InputError("hf-uag needs a draft model")
+        kwargs.update(assistant_model=draft.model, tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
     input_ids = torch.tensor([prompt_ids], device=target.device)
     if settings.sampling.seed is not None:
         torch.manual_seed(settings.sampling.seed)  # transformers samples from the global RNG (bench process only)
@@ -133,6 +139,9 @@ def _run_hf(
     return ModeRun(ids, target.tokenizer.decode(ids, skip_special_tokens=True), seconds, None)
 
 
+UAG_MODES = {"uag", "hf-uag"}
+
+
 def run_mode(
     mode: str,
     target: LoadedModel,
@@ -141,7 +150,10 @@ def run_mode(
     settings: GenerationSettings,
     spec: SpecSettings,
     lookup_tokens: int = 10,
+    uag_draft: LoadedModel | None = None,
 ) -> ModeRun:
+    if mode in UAG_MODES and uag_draft is not None:
+        draft = uag_draft
     if mode in HF_MODES:
         return _run_hf(mode, target, draft, prompt_ids, settings, lookup_tokens)
     if mode == "plain":
@@ -322,6 +334,7 @@ def run_benchmark(
     prompts: list[Prompt],
     spec: SpecSettings,
     progress: bool = True,
+    uag_draft: LoadedModel | None = None,
 ) -> dict:
     sampling = SamplingSettings(config.temperature, config.top_k, config.top_p, config.seed)
     settings = GenerationSettings(max_new_tokens=config.max_new_tokens, sampling=sampling, collect_probs=False)
@@ -337,7 +350,7 @@ def run_benchmark(
         warm = GenerationSettings(max_new_tokens=min(32, config.max_new_tokens), sampling=sampling, collect_probs=False)
         for _ in range(config.warmup):
             for mode in modes:
-                run_mode(mode, target, draft, encoded[0][1], warm, spec, config.hf_lookup_tokens)
+                run_mode(mode, target, draft, encoded[0][1], warm, spec, config.hf_lookup_tokens, uag_draft)
 
     results: list[dict] = []
     counters: dict[tuple[str, str], Counters] = {}
@@ -347,7 +360,7 @@ def run_benchmark(
         runs: dict[str, list[ModeRun]] = {m: [] for m in modes}
         for _ in range(config.repeats):
             for mode in order:
-                runs[mode].append(run_mode(mode, target, draft, ids, settings, spec, config.hf_lookup_tokens))
+                runs[mode].append(run_mode(mode, target, draft, ids, settings, spec, config.hf_lookup_tokens, uag_draft))
                 bar.update(1)
         chosen = {m: sorted(r, key=lambda run: run.seconds)[len(r) // 2] for m, r in runs.items()}  # median
         plain = chosen.get("plain")
@@ -427,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pair", help=f"pair preset: {', '.join(PRESETS)} (default: offline pair if installed)")
     parser.add_argument("--target", help="target model: offline:NAME, Hub id, local folder or .gguf file")
     parser.add_argument("--draft", help="draft model (same sources as --target)")
+    parser.add_argument("--uag-draft", help="draft for the uag/hf-uag modes when it differs from --draft (a model with another tokenizer)")
     parser.add_argument("--modes", default="plain,draft,ngram", help=f"comma list from: {', '.join(ALL_MODES)}")
     parser.add_argument("--prompts", help="JSON-lines prompt file (Spec-Bench or {id,category,prompt}); default: bundled set")
     parser.add_argument("--categories", help="comma list of categories to keep")
@@ -435,8 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-draft-tokens", default="adaptive", help="k, 'adaptive' (cost-aware) or 'heuristic' (+2/-1)")
     parser.add_argument("--max-draft-tokens", type=int, default=12, help="upper bound for adaptive policies")
     parser.add_argument("--draft-head-tokens", type=int, default=None, help="restrict the draft LM head to N frequent ids (0 = full; default auto)")
+    parser.add_argument("--draft-int8", choices=["auto", "on", "off"], default="auto", help="draft with an int8 copy of the draft model (auto: on for a CPU draft)")
     parser.add_argument("--ngram-max", type=int, default=4)
-    parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -478,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             preset = get_preset(args.pair or default_preset_key())
             target_source = target_source or preset.target
             draft_source = draft_source or preset.draft
-        needs_draft = any(m in ("draft", "hf-assisted") for m in modes)
+        needs_draft = any(m in ("draft", "hf-assisted") or (m in UAG_MODES and not args.uag_draft) for m in modes)
         categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
         prompts = load_prompts(args.prompts, categories=categories, limit=args.limit)
         spec = SpecSettings(
@@ -486,6 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             draft_length=args.num_draft_tokens,
             max_draft_length=args.max_draft_tokens,
             head_tokens=args.draft_head_tokens,
+            draft_int8={"auto": None, "on": True, "off": False}[args.draft_int8],
             ngram_min=args.ngram_min,
             ngram_max=args.ngram_max,
         )
@@ -494,9 +510,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         load = LoadSettings(dtype=args.dtype, device=args.device)
         target = load_model(target_source, LoadSettings(dtype=args.dtype, device=args.device, quantization=args.load_in), progress=not args.quiet)
         draft = load_model(draft_source, load, progress=not args.quiet) if needs_draft and draft_source else None
+        uag_draft = None
+        if args.uag_draft and any(m in UAG_MODES for m in modes):
+            uag_draft = load_model(args.uag_draft, load, progress=not args.quiet)
         config = BenchConfig(
             target=target_source,
             draft=draft_source if needs_draft else None,
+            uag_draft=args.uag_draft,
             modes=modes,
             prompts=str(args.prompts or "bundled"),
             max_new_tokens=args.max_new_tokens,
@@ -514,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             limit=args.limit,
             categories=categories,
         )
-        report = run_benchmark(config, target, draft, prompts, spec, progress=not args.quiet)
+        report = run_benchmark(config, target, draft, prompts, spec, progress=not args.quiet, uag_draft=uag_draft)
     except (InputError, PromptFileError, ModelLoadError, OfflinePackError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ and :meth:`Drafter.feedback` (update the strategy). :meth:`Drafter.start` begins
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -121,6 +122,56 @@ class NgramDrafter:
 # draft model
 
 
+_INT8_COPIES: dict[int, tuple[PreTrainedModel, PreTrainedModel]] = {}
+
+
+def int8_copy(model: PreTrainedModel) -> PreTrainedModel | None:
+    """A float32 CPU copy of ``model`` whose decoder linear layers are int8 (dynamic quantisation), or None.
+
+    On a CPU a one-token step is bound by reading the weights, and PyTorch's bfloat16 matrix-vector product is
+    slow there; int8 weights make a draft step several times cheaper. Only drafts are quantised: the target, which
+    decides every token, is never touched. The LM head stays in float32 (the drafter restricts it). The copy is
+    made once per model and process.
+    """
+    key = id(model)
+    cached = _INT8_COPIES.get(key)
+    if cached is not None and cached[0] is model:
+        return cached[1]
+    try:
+        import copy
+
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    except ImportError:  # pragma: no cover - a torch without eager-mode quantisation
+        logger.warning("int8 draft unavailable in this torch build; drafting in the model's own dtype")
+        return None
+    clone = copy.deepcopy(model).float().cpu().eval()
+    clone_head = clone.get_output_embeddings()
+    spec = {
+        name: per_channel_dynamic_qconfig
+        for name, module in clone.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not clone_head
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = quantize_dynamic(clone, spec, dtype=torch.qint8)
+    _INT8_COPIES[key] = (model, quantized)
+    return quantized
+
+
+def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
+    """An int8 dynamically quantised linear layer with these float weights."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        linear.weight.copy_(weight.float())
+        if bias is not None:
+            linear.bias.copy_(bias.float())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(torch.nn.Sequential(linear), {"0": per_channel_dynamic_qconfig}, dtype=torch.qint8)
+
+
 def _auto_head_tokens(vocab_size: int) -> int:
     """How many of the most frequent token ids the draft head scores by default (0 = the whole vocabulary)."""
     return 32768 if vocab_size > 65536 else 0
@@ -141,6 +192,8 @@ class DraftModelDrafter:
 
     ``confidence_stop``: stop drafting this round once the draft's probability of its own token falls below this
     value (0 = never); it only looks at the draft's side, so exactness holds.
+
+    ``int8``: draft with an int8 copy of the model (see :func:`int8_copy`); None = automatic (on for a CPU draft).
     """
 
     name = "draft"
@@ -154,7 +207,15 @@ class DraftModelDrafter:
         head_tokens: int | None = None,
         confidence_stop: float = 0.0,
         generator: torch.Generator | None = None,
+        int8: bool | None = None,
     ) -> None:
+        device = next(model.parameters()).device
+        if int8 is None:
+            int8 = device.type == "cpu"
+        quantized = int8_copy(model) if int8 else None
+        self.int8 = quantized is not None
+        if quantized is not None:
+            model = quantized
         self.lm = CachedLM(model)
         self.sampling = sampling
         self.target_vocab_size = target_vocab_size
@@ -169,8 +230,7 @@ class DraftModelDrafter:
         if self._head_weight is None or not isinstance(head, torch.nn.Linear):
             self.head_tokens = 0
         self._sub_ids: torch.Tensor | None = None
-        self._sub_weight: torch.Tensor | None = None
-        self._sub_bias: torch.Tensor | None = None
+        self._sub_head: torch.nn.Module | None = None
         self._cached_ids: list[int] = []
 
     # -- sequence state ------------------------------------------------------------------------------------------
@@ -187,8 +247,15 @@ class DraftModelDrafter:
             ids = sorted(set(range(min(self.head_tokens, usable))) | {t for t in extra if 0 <= t < usable})
             self._sub_ids = torch.tensor(ids, dtype=torch.long, device=self.lm.device)
             with torch.inference_mode():
-                self._sub_weight = self._head_weight.index_select(0, self._sub_ids)
-                self._sub_bias = None if self._head_bias is None else self._head_bias.index_select(0, self._sub_ids)
+                weight = self._head_weight.index_select(0, self._sub_ids)
+                bias = None if self._head_bias is None else self._head_bias.index_select(0, self._sub_ids)
+            if self.int8:
+                self._sub_head = _int8_linear(weight, bias)
+            else:
+                self._sub_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+                self._sub_head.weight = torch.nn.Parameter(weight, requires_grad=False)
+                if bias is not None:
+                    self._sub_head.bias = torch.nn.Parameter(bias, requires_grad=False)
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Roll the draft cache back to the longest prefix it shares with ``context``; return the ids to feed."""
@@ -219,7 +286,7 @@ class DraftModelDrafter:
             return logits, None
         hidden = self.lm.hidden_states(input_ids)[-1]
         with torch.inference_mode():
-            logits = torch.nn.functional.linear(hidden, self._sub_weight, self._sub_bias)
+            logits = self._sub_head(hidden.unsqueeze(0))[0]
         return logits, self._sub_ids
 
     @torch.inference_mode()

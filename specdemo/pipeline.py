@@ -16,6 +16,7 @@ from .drafters import DraftModelDrafter, Drafter, NgramDrafter
 from .engine import GenerationSettings, RoundEvent, plain_decode, speculative_decode
 from .lm import CachedLM
 from .models import LoadedModel, same_tokenizer
+from .uag import UniversalDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +24,9 @@ logger = logging.getLogger(__name__)
 SPEC_MODES: dict[str, str] = {
     "draft": "draft model (same tokenizer)",
     "ngram": "n-gram prompt lookup (no draft model)",
+    "uag": "draft model with a different tokenizer (universal assisted generation)",
 }
-MODES_NEEDING_DRAFT = {"draft"}
+MODES_NEEDING_DRAFT = {"draft", "uag"}
 
 
 class InputError(ValueError):
@@ -40,7 +42,8 @@ class SpecSettings:
     max_draft_length: int = 12
     head_tokens: int | None = None  # draft LM head restricted to this many frequent ids; None = auto, 0 = full
     confidence_stop: float = 0.0
-    ngram_min: int = 1
+    draft_int8: bool | None = None  # int8 copy of the draft model; None = on when the draft runs on a CPU
+    ngram_min: int = 2
     ngram_max: int = 4
 
     def validate(self) -> None:
@@ -86,10 +89,11 @@ def check_pair(mode: str, target: LoadedModel, draft: LoadedModel | None) -> Non
     if mode in MODES_NEEDING_DRAFT:
         if draft is None:
             raise InputError(f"mode {mode!r} needs a draft model")
-        if not same_tokenizer(target.tokenizer, draft.tokenizer):
+        if mode == "draft" and not same_tokenizer(target.tokenizer, draft.tokenizer):
             raise InputError(
                 f"the draft {draft.source!r} uses a different tokenizer from the target {target.source!r}: "
-                "draft mode compares token ids, so it needs the same tokenizer"
+                "draft mode compares token ids, so it needs the same tokenizer; use mode 'uag' (different "
+                "tokenizers) for this pair"
             )
 
 
@@ -109,6 +113,15 @@ def make_drafter(
     if spec.mode == "ngram":
         return NgramDrafter(spec.ngram_min, spec.ngram_max)
     assert draft is not None
+    if spec.mode == "uag":
+        return UniversalDrafter(
+            draft.model,
+            draft.tokenizer,
+            target.tokenizer,
+            settings.sampling,
+            draft_eos_ids=draft.eos_token_ids,
+            generator=_seeded(settings.sampling.seed, draft.device),
+        )
     return DraftModelDrafter(
         draft.model,
         settings.sampling,
@@ -117,6 +130,7 @@ def make_drafter(
         head_tokens=spec.head_tokens,
         confidence_stop=spec.confidence_stop,
         generator=_seeded(settings.sampling.seed, draft.device),
+        int8=spec.draft_int8,
     )
 
 

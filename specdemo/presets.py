@@ -12,7 +12,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PairPreset:
-    """A target model and a small draft model sharing its tokenizer."""
+    """A target model and a small draft model; ``mode`` is the speculative mode the pair is meant for
+    ("draft" when both share a tokenizer, "uag" when they do not)."""
 
     key: str
     label: str
@@ -20,6 +21,7 @@ class PairPreset:
     draft: str
     description: str
     hardware: str
+    mode: str = "draft"
 
 
 PRESETS: dict[str, PairPreset] = {
@@ -67,6 +69,45 @@ PRESETS: dict[str, PairPreset] = {
             description="Qwen2.5-Coder-7B-Instruct drafted by Qwen2.5-Coder-0.5B-Instruct; downloads ~16 GB "
             "from the Hub.",
             hardware="GPU with ≥24 GB (or ≥12 GB with 8-bit)",
+        ),
+        PairPreset(
+            key="offline-smollm-qwen-coder",
+            label="Qwen2.5-Coder 1.5B + SmolLM2 135M, different tokenizers (offline pack, uag)",
+            target="offline:qwen2.5-coder-1.5b",
+            draft="offline:smollm2-135m",
+            description="Universal assisted generation: SmolLM2-135M-Instruct (its own tokenizer) drafts for "
+            "Qwen2.5-Coder-1.5B-Instruct through text; no network needed.",
+            hardware="CPU ok (bf16; ~7 GB RAM)",
+            mode="uag",
+        ),
+        PairPreset(
+            key="offline-smollm-qwen-coder-0.5b",
+            label="Qwen2.5-Coder 0.5B + SmolLM2 135M, different tokenizers (offline pack, uag)",
+            target="offline:qwen2.5-coder-0.5b",
+            draft="offline:smollm2-135m",
+            description="Universal assisted generation with the smaller Qwen target; no network needed.",
+            hardware="CPU ok (bf16; ~3 GB RAM)",
+            mode="uag",
+        ),
+        PairPreset(
+            key="gemma-2-9b-uag",
+            label="Gemma 2 9B + SmolLM2 135M, different tokenizers (Hub, uag)",
+            target="google/gemma-2-9b-it",
+            draft="HuggingFaceTB/SmolLM2-135M-Instruct",
+            description="Universal assisted generation: a SmolLM2 draft for a Gemma target (gated: accept the "
+            "licence on the Hub first).",
+            hardware="GPU with ≥24 GB",
+            mode="uag",
+        ),
+        PairPreset(
+            key="qwen2.5-7b-uag",
+            label="Qwen2.5 7B + Llama 3.2 1B, different tokenizers (Hub, uag)",
+            target="Qwen/Qwen2.5-7B-Instruct",
+            draft="meta-llama/Llama-3.2-1B-Instruct",
+            description="Universal assisted generation: a small Llama drafts for a Qwen target (the Llama draft "
+            "is gated).",
+            hardware="GPU with ≥24 GB",
+            mode="uag",
         ),
     )
 }

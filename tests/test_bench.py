@@ -104,3 +104,32 @@ def test_divergence_helper():
     assert bench.divergence([1, 2, 3], [1, 2, 3]) is None
     assert bench.divergence([1, 2, 3], [1, 5, 3]) == 1
     assert bench.divergence([1, 2, 3], [1, 2]) == 2
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_draft(tmp_path_factory) -> str:
+    from test_detok import build_sentencepiece_byte_fallback
+
+    from tiny import llama
+
+    tokenizer = build_sentencepiece_byte_fallback()
+    model = llama(13, layers=1, vocab=len(tokenizer))
+    folder = tmp_path_factory.mktemp("other") / "draft"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_bench_uag_modes(pair, prompt_file, tmp_path, other_tokenizer_draft):
+    report = _run(pair, prompt_file, tmp_path, "--modes", "draft,uag,hf-uag", "--uag-draft", other_tokenizer_draft)
+    rows = [r for r in report["results"] if r["mode"] in ("uag", "hf-uag")]
+    assert len(rows) == 6
+    assert all(r["identical_to_plain"] for r in rows)
+    assert report["config"]["uag_draft"] == other_tokenizer_draft
+
+
+def test_bench_refuses_a_different_tokenizer_in_draft_mode(pair, prompt_file, tmp_path, capsys, other_tokenizer_draft):
+    code = bench.main(["--target", pair[0], "--draft", other_tokenizer_draft, "--prompts", str(prompt_file),
+                       "--dtype", "float32", "--quiet", "--modes", "draft", "--warmup", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "different tokenizer" in err and "uag" in err

@@ -31,7 +31,7 @@ TARGETS = _targets()
 def _drafters(name: str, target):
     small = {"llama": llama(2, layers=1), "qwen2": qwen2(4, layers=1), "gpt2": gpt2(6, layers=1)}[name]
     return {
-        "same-model": DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=0),
+        "same-model": DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=0, int8=False),
         "small-model": DraftModelDrafter(small, GREEDY, VOCAB),
         "restricted-head": DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=40),
         "random-model": DraftModelDrafter(llama(99, layers=1), GREEDY, VOCAB),
@@ -58,7 +58,7 @@ def test_greedy_equals_generate(name: str, k):
 def test_identical_draft_accepts_everything_and_random_draft_almost_nothing():
     target = TARGETS["llama"]
     settings = GenerationSettings(max_new_tokens=33)
-    same = collect(speculative_decode(CachedLM(target), DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=0), FixedDraftLength(4), PROMPTS[0], settings))
+    same = collect(speculative_decode(CachedLM(target), DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=0, int8=False), FixedDraftLength(4), PROMPTS[0], settings))
     assert same.counters.accepted == same.counters.drafted > 0
     assert same.counters.target_passes == 1 + 32 // 5 + (1 if 32 % 5 else 0)
     rand = collect(speculative_decode(CachedLM(target), DraftModelDrafter(llama(1234, layers=1), GREEDY, VOCAB), FixedDraftLength(4), PROMPTS[0], settings))
@@ -72,7 +72,7 @@ def test_exactly_max_new_tokens(limit: int, k: int):
     target = TARGETS["qwen2"]
     settings = GenerationSettings(max_new_tokens=limit)
     expected = reference_greedy(target, PROMPTS[0], limit)
-    for drafter in (DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=0), NgramDrafter()):
+    for drafter in (DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=0, int8=False), NgramDrafter()):
         final = collect(speculative_decode(CachedLM(target), drafter, FixedDraftLength(k), PROMPTS[0], settings))
         assert final.new_token_ids == expected
         assert len(final.new_token_ids) == limit
@@ -89,7 +89,7 @@ def test_eos_inside_a_draft_stops_there():
         assert expected[-1] == eos and len(expected) <= 30
         settings = GenerationSettings(max_new_tokens=30)
         for k in (2, 5, 8):
-            drafter = DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=0)  # everything accepted: EOS mid-draft
+            drafter = DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=0, int8=False)  # everything accepted: EOS mid-draft
             final = collect(speculative_decode(CachedLM(target), drafter, FixedDraftLength(k), prompt, settings, [eos]))
             assert final.new_token_ids == expected
             assert final.finish_reason == "eos"

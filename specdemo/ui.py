@@ -1,0 +1,1198 @@
+"""The Gradio app: one Run makes one fair race between plain and speculative decoding, every token coloured.
+
+Structure (everything but :func:`build_app` is testable without a browser):
+
+- :class:`AppConfig`: what the app serves (presets, device, model loader, update rate, ...);
+- :class:`Racer`: validates a :class:`RaceRequest`, loads the pair (with progress), and runs one race through
+  :func:`specdemo.race.race`, yielding a :class:`RaceState` after every round;
+- pure view functions: :func:`render_token`, :func:`pane_stats_html`, :func:`speedup_html`, :func:`figures_html`,
+  :func:`identical_html`, chart frames (:func:`race_frame`, :func:`accepted_length_frame`,
+  :func:`acceptance_position_frame`) and :func:`result_dict` (the ``/race`` API's JSON);
+- :func:`make_handlers`: the Gradio handlers (a generator for the Run button, a function for the ``/race`` API);
+- :func:`build_app`: the Blocks page; :func:`launch` adds the page's CSS.
+"""
+
+import gc
+import html
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import gradio as gr
+import pandas as pd
+import torch
+
+from .bench import divergence, divergence_margin
+from .engine import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, GenerationSettings, RoundEvent, TokenEvent, collect
+from .metrics import Comparison, RunMetrics, compare, run_metrics
+from .models import LoadedModel, LoadSettings, ModelLoadError, clear_model_cache, load_model
+from .offline import OfflinePackError
+from .pipeline import (
+    MODES_NEEDING_DRAFT,
+    SPEC_MODES,
+    InputError,
+    SpecSettings,
+    check_lengths,
+    check_pair,
+    encode_prompt,
+    plain_events,
+    spec_events,
+)
+from .presets import PRESETS, PairPreset, default_preset_key
+from .prompts import Prompt, PromptFileError, load_prompts
+from .race import race
+from .sampling import SamplingSettings
+from .spaces_compat import gpu
+
+logger = logging.getLogger(__name__)
+
+Loader = Callable[..., LoadedModel]  # load_model(source, settings, progress=..., on_progress=...)
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = {"none": None, "8bit": "8bit", "4bit": "4bit"}
+DRAFT_LENGTHS = ["adaptive", "heuristic", *[str(k) for k in range(1, 13)]]
+#: categories of the labelled examples, in display order
+EXAMPLE_CATEGORIES = ("chat", "code-writing", "code-editing", "summarization", "translation")
+SIDE_LABELS = {"plain": "plain", "spec": "speculative"}
+SIDE_COLOURS = {"plain": "#9ca3af", "speculative": "#16a34a"}
+KIND_LABELS = {
+    ACCEPTED: "accepted draft token",
+    CORRECTED: "corrected by the target",
+    BONUS: "bonus token (every draft accepted)",
+    PLAIN: "plain token (target alone)",
+    REJECTED: "rejected draft token",
+}
+#: margin (top-1 minus top-2 logit) below which a divergence counts as a low-precision near-tie
+NEAR_TIE_MARGIN = 0.5
+
+#: the Run handler's outputs, in order (tests zip them with the yielded tuples)
+OUTPUTS = (
+    "plain_stats",
+    "plain_output",
+    "spec_stats",
+    "spec_output",
+    "speedup",
+    "figures",
+    "identical",
+    "status",
+    "race_plot",
+    "length_plot",
+    "position_plot",
+    "result",
+)
+#: the Run handler's inputs, in order
+INPUTS = (
+    "prompt",
+    "pair",
+    "target",
+    "draft",
+    "mode",
+    "draft_tokens",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "dtype",
+    "quantization",
+    "chat",
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# configuration and requests
+
+
+def cuda_quantization_reason() -> str | None:
+    """Why 4-bit/8-bit loading is unavailable here, or None when it is available."""
+    if not torch.cuda.is_available():
+        return "4-bit/8-bit needs a CUDA GPU (bitsandbytes); none found"
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "4-bit/8-bit needs the bitsandbytes package (pip install bitsandbytes)"
+    return None
+
+
+@dataclass
+class AppConfig:
+    """What the app serves and how."""
+
+    pair: str | None = None  # default pair preset key (None: the offline pair when installed)
+    device: str = "auto"
+    dtype: str = "auto"
+    custom_models: bool = True  # show the custom target/draft boxes (switch off for hosted use)
+    presets: dict[str, PairPreset] = field(default_factory=lambda: dict(PRESETS))
+    loader: Loader = load_model
+    #: called before loading a different target, to free the previous pair's memory (None: keep everything)
+    forget_models: Callable[[], None] | None = clear_model_cache
+    update_interval: float = 0.25  # seconds between UI updates during a race (the final state is always sent)
+    max_new_tokens: int = 128
+    draft_tokens: str = "adaptive"  # the draft-tokens control's initial value: adaptive, heuristic or "1".."12"
+    max_new_tokens_limit: int = 2048
+    warmup_tokens: int = 16  # an untimed warm-up race of this many tokens the first time a pair runs (0: none)
+    examples: list[Prompt] | None = None  # None: the bundled prompt set
+    quantization_reason: str | None = "auto"  # "auto": detect; None: available; text: why it is disabled
+    gpu_duration: int = 120  # ZeroGPU seconds per race
+    max_queue: int | None = 32
+    title: str = "Speculative decoding race"
+
+    def default_pair(self) -> str:
+        if self.pair:
+            if self.pair not in self.presets:
+                raise ValueError(f"unknown pair preset {self.pair!r}; known: {', '.join(self.presets)}")
+            return self.pair
+        if set(PRESETS) <= set(self.presets):
+            return default_preset_key()
+        return next(iter(self.presets))
+
+    def quantization_unavailable(self) -> str | None:
+        if self.quantization_reason == "auto":
+            if self.device.strip().lower() in ("cpu", "mps"):
+                return f"4-bit/8-bit needs a CUDA GPU; this app runs on {self.device}"
+            return cuda_quantization_reason()
+        return self.quantization_reason
+
+
+@dataclass
+class RaceRequest:
+    """Everything one Run asks for, as the UI sends it."""
+
+    prompt: str
+    pair: str | None = None
+    target: str = ""
+    draft: str = ""
+    mode: str = "draft"
+    draft_tokens: str | int = "adaptive"
+    max_new_tokens: Any = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: Any = 0
+    dtype: str = "auto"
+    quantization: str | None = "none"
+    chat: bool = True
+
+
+@dataclass
+class Prepared:
+    """A validated request with its models loaded and its prompt encoded."""
+
+    request: RaceRequest
+    target: LoadedModel
+    draft: LoadedModel | None
+    target_source: str
+    draft_source: str | None
+    prompt_ids: list[int]
+    settings: GenerationSettings
+    spec: SpecSettings
+    warnings: list[str] = field(default_factory=list)
+    load_seconds: float = 0.0
+    warmup_seconds: float = 0.0
+
+
+def parse_draft_tokens(value: str | int | None) -> str | int:
+    """``"adaptive"``, ``"heuristic"`` or a whole number k >= 1."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return "adaptive"
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("adaptive", "heuristic"):
+            return text
+        if text.lstrip("-").isdigit():
+            value = int(text)
+        else:
+            raise InputError(f"draft tokens must be 'adaptive', 'heuristic' or a number, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 32:
+        raise InputError(f"draft tokens must be between 1 and 32 (or adaptive), got {value!r}")
+    return value
+
+
+def parse_max_new_tokens(value: Any, limit: int) -> int:
+    if value is None or value == "":
+        raise InputError("max new tokens is empty: give a number of tokens")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"max new tokens must be a number, got {value!r}") from None
+    if not number.is_integer() or not 1 <= number <= limit:
+        raise InputError(f"max new tokens must be a whole number between 1 and {limit}, got {value!r}")
+    return int(number)
+
+
+def parse_seed(value: Any) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"the seed must be a whole number, got {value!r}") from None
+    if not number.is_integer() or number < 0:
+        raise InputError(f"the seed must be a whole number >= 0, got {value!r}")
+    return int(number)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# race state
+
+
+@dataclass
+class PaneState:
+    """One side of the race as shown: rendered token spans, tokens, counters and the tokens-over-time curve."""
+
+    side: str
+    spans: list[str] = field(default_factory=list)
+    tokens: list[TokenEvent] = field(default_factory=list)
+    rejected: list[TokenEvent] = field(default_factory=list)
+    counters: Counters = field(default_factory=Counters)
+    points: list[tuple[float, int]] = field(default_factory=lambda: [(0.0, 0)])
+    finished: bool = False
+    finish_reason: str | None = None
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+
+    def add(self, event: RoundEvent) -> None:
+        shown = event.tokens
+        accepted = [t for t in shown if t.kind == ACCEPTED]
+        rest = [t for t in shown if t.kind != ACCEPTED]
+        # the rejected drafts sat where the target's correction now stands: accepted, rejected (struck), correction
+        for token in accepted:
+            self.spans.append(render_token(token))
+        for token in event.rejected:
+            self.spans.append(render_token(token))
+        for token in rest:
+            self.spans.append(render_token(token))
+        self.tokens.extend(shown)
+        self.rejected.extend(event.rejected)
+        self.counters = event.counters
+        self.points.append((event.counters.seconds, event.counters.new_tokens))
+        if event.finished:
+            self.finished = True
+            self.finish_reason = event.finish_reason
+            self.text = event.text
+            self.ids = list(event.new_token_ids)
+
+    def html(self) -> str:
+        return "".join(self.spans)
+
+    def metrics(self) -> RunMetrics:
+        return run_metrics(self.counters)
+
+
+@dataclass
+class RaceState:
+    """Both panes, and the run's figures once both sides have finished."""
+
+    prepared: Prepared | None
+    plain: PaneState = field(default_factory=lambda: PaneState("plain"))
+    spec: PaneState = field(default_factory=lambda: PaneState("spec"))
+    done: bool = False
+    divergence: int | None = None
+    margin: float | None = None
+
+    @property
+    def comparison(self) -> Comparison | None:
+        if not self.plain.counters.new_tokens or not self.spec.counters.new_tokens:
+            return None
+        return compare(self.spec.metrics(), self.plain.metrics())
+
+    @property
+    def identical(self) -> bool | None:
+        return self.divergence is None if self.done else None
+
+    @property
+    def greedy(self) -> bool:
+        return self.prepared is None or self.prepared.settings.sampling.greedy
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the racer: validation, loading, one race
+
+
+class Racer:
+    """Validates requests, loads pairs, and runs races (one at a time: the app's queue sees to that)."""
+
+    def __init__(self, config: AppConfig) -> None:
+        self.config = config
+        self._warm: set[tuple[int, int | None, str]] = set()
+        self._target_key: tuple | None = None
+
+    # -- validation and loading ------------------------------------------------------------------------------
+
+    def sources(self, request: RaceRequest) -> tuple[str, str | None, PairPreset | None]:
+        """(target, draft, preset) sources for a request; custom boxes override the preset."""
+        custom_target = (request.target or "").strip()
+        custom_draft = (request.draft or "").strip()
+        if (custom_target or custom_draft) and not self.config.custom_models:
+            raise InputError("custom models are switched off on this server: pick a pair preset")
+        preset = None
+        pair = (request.pair or "").strip() or self.config.default_pair()
+        if pair not in self.config.presets:
+            if not custom_target:
+                raise InputError(f"unknown pair {pair!r}; choose one of: {', '.join(self.config.presets)}")
+        else:
+            preset = self.config.presets[pair]
+        target = custom_target or (preset.target if preset else "")
+        draft = custom_draft or (preset.draft if preset else None)
+        if request.mode not in MODES_NEEDING_DRAFT:
+            draft = None
+        elif not draft:
+            raise InputError(f"mode {request.mode!r} needs a draft model: pick a pair or fill in the custom draft")
+        return target, draft, preset
+
+    def prepare(self, request: RaceRequest, on_progress: Callable[[float, str], None] | None = None) -> Prepared:
+        """Validate, load (reporting progress in [0, 1]), encode; InputError with one plain line otherwise."""
+        config = self.config
+        report = on_progress or (lambda fraction, message: None)
+        if not isinstance(request.prompt, str) or not request.prompt.strip():
+            raise InputError("the prompt is empty: type something or pick an example")
+        max_new_tokens = parse_max_new_tokens(request.max_new_tokens, config.max_new_tokens_limit)
+        if request.mode not in SPEC_MODES:
+            raise InputError(f"unknown mode {request.mode!r}; choose one of: {', '.join(SPEC_MODES)}")
+        spec = SpecSettings(mode=request.mode, draft_length=parse_draft_tokens(request.draft_tokens))
+        try:
+            spec.validate()
+        except ValueError as error:
+            raise InputError(_first_line(error)) from None
+        try:
+            temperature = float(request.temperature or 0.0)
+            top_p = float(request.top_p if request.top_p is not None else 1.0)
+        except (TypeError, ValueError):
+            raise InputError("temperature and top-p must be numbers") from None
+        sampling = SamplingSettings(temperature=temperature, top_p=top_p, seed=parse_seed(request.seed))
+        settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling)
+        try:
+            settings.validate()
+        except ValueError as error:
+            raise InputError(_first_line(error)) from None
+        dtype = (request.dtype or config.dtype or "auto").strip().lower()
+        if dtype not in DTYPES:
+            raise InputError(f"unknown dtype {request.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        quant_key = (request.quantization or "none").strip().lower()
+        if quant_key not in QUANTIZATIONS:
+            raise InputError(f"unknown quantization {request.quantization!r}; use none, 8bit or 4bit")
+        quantization = QUANTIZATIONS[quant_key]
+        if quantization is not None:
+            reason = config.quantization_unavailable()
+            if reason:
+                raise InputError(reason)
+        target_source, draft_source, preset = self.sources(request)
+
+        # loading (the first offline load joins and converts the pack: minutes, with progress)
+        started = time.perf_counter()
+        target_settings = LoadSettings(dtype=dtype, device=config.device, quantization=quantization)
+        target_key = (target_source, dtype, config.device, quantization)
+        if self._target_key is not None and self._target_key != target_key and config.forget_models is not None:
+            logger.info("Switching target to %s: freeing the previous pair", target_source)
+            self._warm.clear()
+            config.forget_models()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        share = 0.5 if draft_source else 1.0
+        target = self._load(target_source, target_settings, lambda f, m: report(share * f, m), "target")
+        self._target_key = target_key
+        draft = None
+        if draft_source:
+            draft_settings = LoadSettings(dtype=dtype, device=config.device)
+            draft = self._load(draft_source, draft_settings, lambda f, m: report(0.5 + 0.5 * f, m), "draft")
+        load_seconds = time.perf_counter() - started
+
+        prompt_ids = encode_prompt(target, request.prompt, chat=bool(request.chat))
+        check_lengths(target, prompt_ids, settings)
+        check_pair(spec.mode, target, draft)
+
+        warnings: list[str] = []
+        if draft is not None and (draft is target or draft.model is target.model):
+            warnings.append(
+                "The draft is the target itself: every draft is accepted, but each costs a full target pass, "
+                "so expect no speedup."
+            )
+        if preset is not None and target.device.type == "cpu" and preset.hardware.lower().startswith("gpu"):
+            warnings.append(f"{preset.label} is meant for a GPU ({preset.hardware}); on this CPU it will be slow.")
+        if not sampling.greedy:
+            warnings.append(
+                "Sampling (temperature > 0): both sides draw from the same distribution, but not the same tokens, "
+                "so the texts will differ."
+            )
+        prepared = Prepared(
+            request, target, draft, target_source, draft_source, prompt_ids, settings, spec, warnings, load_seconds
+        )
+        try:
+            prepared.warmup_seconds = self.warm_up(prepared, report)
+        except (RuntimeError, ValueError) as error:
+            logger.exception("The warm-up run failed")
+            raise InputError(f"the warm-up run failed: {_first_line(error)}") from None
+        return prepared
+
+    def _load(self, source: str, settings: LoadSettings, report: Callable[[float, str], None], role: str) -> LoadedModel:
+        report(0.0, f"Loading the {role}: {source}")
+        try:
+            return self.config.loader(source, settings, progress=False, on_progress=report)
+        except (ModelLoadError, OfflinePackError) as error:
+            raise InputError(_first_line(error)) from None
+        except (OSError, RuntimeError, ValueError, ImportError, KeyError) as error:
+            logger.exception("Loading %s failed", source)
+            raise InputError(f"cannot load {source!r}: {_first_line(error)}") from None
+
+    def warm_up(self, prepared: Prepared, report: Callable[[float, str], None]) -> float:
+        """One short untimed race the first time a pair and mode run, so neither side pays first-call costs."""
+        tokens = min(self.config.warmup_tokens, prepared.settings.max_new_tokens)
+        key = (id(prepared.target.model), id(prepared.draft.model) if prepared.draft else None, prepared.spec.mode)
+        if tokens <= 0 or key in self._warm:
+            return 0.0
+        report(1.0, "Warming up (untimed)")
+        started = time.perf_counter()
+        warm = GenerationSettings(max_new_tokens=tokens, sampling=prepared.settings.sampling, collect_probs=False)
+        collect(plain_events(prepared.target, prepared.prompt_ids, warm))
+        collect(spec_events(prepared.target, prepared.draft, prepared.prompt_ids, warm, prepared.spec))
+        self._warm.add(key)
+        return time.perf_counter() - started
+
+    # -- the race ----------------------------------------------------------------------------------------------
+
+    def run(self, prepared: Prepared) -> Iterator[RaceState]:
+        """One race; yields the state after every round, and once more when the figures are final.
+
+        Closing this generator (the Stop button) closes the race, which closes both decoders.
+        """
+        state = RaceState(prepared)
+        plain = plain_events(prepared.target, prepared.prompt_ids, prepared.settings)
+        spec = spec_events(prepared.target, prepared.draft, prepared.prompt_ids, prepared.settings, prepared.spec)
+        events = race(plain, spec)
+        try:
+            for event in events:
+                (state.plain if event.side == "plain" else state.spec).add(event)
+                yield state
+        finally:
+            events.close()
+        self.finish(state)
+        yield state
+
+    def finish(self, state: RaceState) -> None:
+        prepared = state.prepared
+        assert prepared is not None
+        position = divergence(state.plain.ids, state.spec.ids)
+        state.divergence = position
+        if position is not None and position < len(state.plain.ids) and state.greedy:
+            try:
+                state.margin = divergence_margin(prepared.target, prepared.prompt_ids, state.plain.ids, position)
+            except RuntimeError:  # pragma: no cover - out of memory and the like: the badge says less
+                logger.exception("Could not compute the divergence margin")
+        state.done = True
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# views (pure functions)
+
+
+def _fmt_prob(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def token_title(token: TokenEvent) -> str:
+    """The hover text of a token: its round, how it was made, and the probabilities behind it."""
+    parts = [f"round {token.round}", KIND_LABELS.get(token.kind, token.kind)]
+    if token.draft_prob is not None:
+        parts.append(f"draft p = {_fmt_prob(token.draft_prob)}")
+    if token.target_prob is not None:
+        parts.append(f"target p = {_fmt_prob(token.target_prob)}")
+    return " · ".join(parts)
+
+
+def render_token(token: TokenEvent) -> str:
+    """One token as an HTML span coloured by kind; its text is escaped (whitespace is kept by the CSS)."""
+    kind = token.kind if token.kind in KIND_LABELS else PLAIN
+    return (
+        f'<span class="tok tok-{kind}" title="{html.escape(token_title(token), quote=True)}">'
+        f"{html.escape(token.text, quote=True)}</span>"
+    )
+
+
+def render_tokens(tokens: Sequence[TokenEvent]) -> str:
+    return "".join(render_token(t) for t in tokens)
+
+
+def legend_html() -> str:
+    items = [
+        (ACCEPTED, "accepted draft token"),
+        (CORRECTED, "corrected by the target"),
+        (BONUS, "bonus token (all drafts accepted)"),
+        (PLAIN, "plain (target alone)"),
+        (REJECTED, "rejected draft (when shown)"),
+    ]
+    spans = "".join(
+        f'<span class="legend-item"><span class="tok tok-{kind} legend-swatch">{html.escape(label)}</span></span>'
+        for kind, label in items
+    )
+    return f'<div class="legend">{spans}</div>'
+
+
+def _rate(counters: Counters) -> float | None:
+    seconds = counters.seconds
+    return counters.new_tokens / seconds if seconds > 0 and counters.new_tokens else None
+
+
+def _stat(value: str, label: str) -> str:
+    return f'<span class="stat"><b>{html.escape(value)}</b> {html.escape(label)}</span>'
+
+
+def pane_stats_html(pane: PaneState, title: str, subtitle: str, running: bool) -> str:
+    """A pane's header with its live figures: tokens/s, own compute time, target passes, tokens."""
+    counters = pane.counters
+    rate = _rate(counters)
+    stats = [
+        _stat(f"{rate:.2f}" if rate else "–", "tok/s"),
+        _stat(f"{counters.seconds:.2f} s", "elapsed"),
+        _stat(str(counters.target_passes), "target passes"),
+        _stat(str(counters.new_tokens), "tokens"),
+    ]
+    if pane.side == "spec" and counters.drafted:
+        stats.append(_stat(f"{counters.accepted}/{counters.drafted}", "drafts accepted"))
+    if pane.finished:
+        chip = f'<span class="chip chip-done">done ({html.escape(pane.finish_reason or "")})</span>'
+    elif running:
+        chip = '<span class="chip chip-running">running…</span>'
+    else:
+        chip = '<span class="chip chip-idle">stopped</span>' if counters.new_tokens else ""
+    return (
+        f'<div class="pane-head"><div class="pane-title">{html.escape(title)} {chip}</div>'
+        f'<div class="pane-sub">{html.escape(subtitle)}</div>'
+        f'<div class="pane-stats">{"".join(stats)}</div></div>'
+    )
+
+
+def live_speedup(state: RaceState) -> float | None:
+    plain, spec = _rate(state.plain.counters), _rate(state.spec.counters)
+    return spec / plain if plain and spec else None
+
+
+def speedup_html(state: RaceState | None) -> str:
+    """The headline figure: speculative tokens/s over plain tokens/s, each on its own compute time."""
+    if state is None:
+        return _card("–", "speedup", "tokens/s, speculative ÷ plain", "fig-main")
+    if state.done:
+        comparison = state.comparison
+        value = comparison.speedup if comparison else None
+        note = "tokens/s, speculative ÷ plain (own compute time)"
+    else:
+        value = live_speedup(state)
+        note = "so far (race running)"
+    text = f"{value:.2f}×" if value else "–"
+    extra = " fig-good" if value and value >= 1.0 and state.done else (" fig-bad" if value and state.done else "")
+    return _card(text, "speedup", note, "fig-main" + extra)
+
+
+def _card(value: str, label: str, note: str = "", classes: str = "") -> str:
+    note_html = f'<div class="fig-note">{html.escape(note)}</div>' if note else ""
+    return (
+        f'<div class="fig {classes}"><div class="fig-value">{html.escape(value)}</div>'
+        f'<div class="fig-label">{html.escape(label)}</div>{note_html}</div>'
+    )
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0%}"
+
+
+def figures_html(state: RaceState | None) -> str:
+    """Acceptance rate, mean accepted length and the expected speedup for the measured acceptance and cost."""
+    if state is None or not state.spec.counters.new_tokens:
+        cards = [_card("–", "acceptance rate"), _card("–", "mean accepted length"), _card("–", "expected speedup")]
+        return f'<div class="figs">{"".join(cards)}</div>'
+    spec = state.spec.metrics()
+    counters = state.spec.counters
+    cards = [
+        _card(_pct(spec.acceptance_rate), "acceptance rate", f"{counters.accepted} of {counters.drafted} drafts"),
+        _card(
+            "–" if spec.mean_accepted_length is None else f"{spec.mean_accepted_length:.2f}",
+            "mean accepted length",
+            "tokens per target pass (plain: 1)",
+        ),
+    ]
+    comparison = state.comparison if state.plain.counters.rounds else None
+    if comparison is not None and comparison.expected_speedup is not None:
+        detail = (
+            f"α {spec.alpha or 0:.2f}, γ {spec.mean_draft_length or 0:.1f}, "
+            f"c {comparison.draft_cost or 0:.2f}, v {comparison.verify_cost or 0:.2f}"
+        )
+        if state.done and comparison.fraction_of_expected is not None:
+            detail += f"; measured {comparison.fraction_of_expected:.0%} of it"
+        cards.append(_card(f"{comparison.expected_speedup:.2f}×", "expected speedup", detail))
+    else:
+        cards.append(_card("–", "expected speedup"))
+    return f'<div class="figs">{"".join(cards)}</div>'
+
+
+def identical_html(state: RaceState | None) -> str:
+    """The "identical output" badge, or where and why the outputs parted."""
+    if state is None or not state.done:
+        text = "comparing when both finish…" if state is not None else "identical output?"
+        return f'<div class="badge badge-pending">{html.escape(text)}</div>'
+    if state.divergence is None:
+        return (
+            f'<div class="badge badge-same" title="speculative output equals plain output token for token">'
+            f"✓ identical output ({len(state.plain.ids)} tokens)</div>"
+        )
+    position = state.divergence
+    if not state.greedy:
+        return (
+            f'<div class="badge badge-info">sampled: the texts part at token {position + 1} '
+            f"(same distribution, different draws)</div>"
+        )
+    if state.margin is not None and state.margin < NEAR_TIE_MARGIN:
+        dtype = str(state.prepared.target.dtype).replace("torch.", "") if state.prepared else "low precision"
+        return (
+            f'<div class="badge badge-tie" title="the target\'s two best tokens were nearly tied here; a k-token '
+            f'verify pass and a one-token pass round differently in {html.escape(dtype)}">'
+            f"≈ outputs part at token {position + 1}: {html.escape(dtype)} near-tie "
+            f"(logit margin {state.margin:.3f})</div>"
+        )
+    margin = f" (logit margin {state.margin:.3f})" if state.margin is not None else ""
+    return f'<div class="badge badge-diff">≠ outputs differ at token {position + 1}{html.escape(margin)}</div>'
+
+
+def status_text(state: RaceState | None, stopped: bool = False) -> str:
+    if state is None:
+        return ""
+    prepared = state.prepared
+    if not state.done:
+        return "Racing… each side is timed only on its own work."
+    comparison = state.comparison
+    speed = f"{comparison.speedup:.2f}×" if comparison and comparison.speedup else "–"
+    load = f" Models ready in {prepared.load_seconds:.1f} s." if prepared and prepared.load_seconds > 1 else ""
+    return f"Done: speculative decoding ran {speed} as fast as plain decoding.{load}"
+
+
+def race_frame(state: RaceState) -> pd.DataFrame:
+    """Tokens over own compute time, both sides: the race."""
+    rows = [
+        {"seconds": seconds, "tokens": tokens, "side": SIDE_LABELS[pane.side]}
+        for pane in (state.plain, state.spec)
+        for seconds, tokens in pane.points
+    ]
+    return pd.DataFrame(rows, columns=["seconds", "tokens", "side"])
+
+
+def accepted_length_frame(counters: Counters) -> pd.DataFrame:
+    """How many rounds produced 1, 2, 3, ... tokens per target pass (bonus/correction included)."""
+    lengths = counters.accepted_lengths
+    if not lengths:
+        return pd.DataFrame({"tokens per pass": pd.Series(dtype=str), "rounds": pd.Series(dtype=int)})
+    top = max(lengths)
+    counts = [sum(1 for n in lengths if n == k) for k in range(1, top + 1)]
+    return pd.DataFrame({"tokens per pass": [str(k) for k in range(1, top + 1)], "rounds": counts})
+
+
+def acceptance_position_frame(counters: Counters) -> pd.DataFrame:
+    """Acceptance rate of the draft token at position 1, 2, ... of a round."""
+    rates = [a / d if d else 0.0 for a, d in zip(counters.accepted_at, counters.drafted_at)]
+    return pd.DataFrame(
+        {
+            "draft position": [str(i + 1) for i in range(len(rates))],
+            "acceptance rate": rates,
+            "drafted": list(counters.drafted_at),
+        }
+    )
+
+
+def _token_dict(token: TokenEvent) -> dict[str, Any]:
+    return {
+        "id": token.id,
+        "text": token.text,
+        "kind": token.kind,
+        "round": token.round,
+        "draft_prob": token.draft_prob,
+        "target_prob": token.target_prob,
+    }
+
+
+def result_dict(state: RaceState, stopped: bool = False) -> dict[str, Any]:
+    """The run as JSON: final texts, per-token kinds and metrics (what the ``/race`` API returns)."""
+    prepared = state.prepared
+    comparison = state.comparison
+
+    def side(pane: PaneState) -> dict[str, Any]:
+        return {
+            "text": pane.text if pane.finished else "".join(t.text for t in pane.tokens),
+            "kinds": [t.kind for t in pane.tokens],
+            "tokens": [_token_dict(t) for t in pane.tokens],
+            "finish_reason": pane.finish_reason,
+            "metrics": pane.metrics().as_dict(),
+        }
+
+    spec_side = side(state.spec)
+    spec_side["rejected"] = [_token_dict(t) for t in state.spec.rejected]
+    result: dict[str, Any] = {
+        "plain": side(state.plain),
+        "spec": spec_side,
+        "comparison": comparison.as_dict() if comparison else None,
+        "speedup": comparison.speedup if comparison else None,
+        "identical": state.identical,
+        "divergence": None
+        if state.divergence is None
+        else {"position": state.divergence, "logit_margin": state.margin},
+        "stopped": stopped,
+    }
+    if prepared is not None:
+        sampling = prepared.settings.sampling
+        result.update(
+            {
+                "target": prepared.target_source,
+                "draft": prepared.draft_source,
+                "mode": prepared.spec.mode,
+                "draft_tokens": prepared.spec.draft_length,
+                "max_new_tokens": prepared.settings.max_new_tokens,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "seed": sampling.seed,
+                "dtype": str(prepared.target.dtype).replace("torch.", ""),
+                "device": str(prepared.target.device),
+                "prompt_tokens": len(prepared.prompt_ids),
+            }
+        )
+    return result
+
+
+def pane_titles(prepared: Prepared | None) -> tuple[tuple[str, str], tuple[str, str]]:
+    """(title, subtitle) of the plain and the speculative pane."""
+    if prepared is None:
+        return ("Plain decoding", "the target alone: one forward pass per token"), (
+            "Speculative decoding",
+            "drafts proposed, verified by the target in one pass",
+        )
+    helper = f"draft {prepared.draft_source}" if prepared.draft_source else SPEC_MODES.get(prepared.spec.mode, "")
+    return (
+        ("Plain decoding", f"target {prepared.target_source}, one pass per token"),
+        (f"Speculative decoding ({prepared.spec.mode})", f"target {prepared.target_source} + {helper}"),
+    )
+
+
+def view(state: RaceState, final: bool, running: bool = True) -> tuple:
+    """The Run handler's outputs (see :data:`OUTPUTS`); charts and JSON only with the final state."""
+    (plain_title, plain_sub), (spec_title, spec_sub) = pane_titles(state.prepared)
+    live = running and not final
+    values = [
+        pane_stats_html(state.plain, plain_title, plain_sub, live and not state.plain.finished),
+        state.plain.html(),
+        pane_stats_html(state.spec, spec_title, spec_sub, live and not state.spec.finished),
+        state.spec.html(),
+        speedup_html(state),
+        figures_html(state),
+        identical_html(state),
+        status_text(state),
+    ]
+    if final:
+        values += [
+            race_frame(state),
+            accepted_length_frame(state.spec.counters),
+            acceptance_position_frame(state.spec.counters),
+            result_dict(state),
+        ]
+    else:
+        values += [gr.skip(), gr.skip(), gr.skip(), gr.skip()]
+    return tuple(values)
+
+
+def starting_view(prepared: Prepared) -> tuple:
+    """The first update of a race: empty panes, cleared charts."""
+    state = RaceState(prepared)
+    values = list(view(state, final=False))
+    values[-4:] = [None, None, None, None]
+    values[OUTPUTS.index("status")] = "Racing… each side is timed only on its own work."
+    return tuple(values)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# handlers
+
+
+@dataclass
+class Handlers:
+    """The app's event handlers, bound to one :class:`Racer` (tests drive these directly)."""
+
+    racer: Racer
+    race: Callable[..., Iterator[tuple]]
+    api: Callable[..., dict]
+
+
+def example_prompts(config: AppConfig) -> list[tuple[str, str]]:
+    """(label, text) of one prompt per example category, from the bundled prompt set."""
+    try:
+        prompts = config.examples if config.examples is not None else load_prompts()
+    except PromptFileError as error:
+        logger.warning("No examples: %s", error)
+        return []
+    chosen: list[tuple[str, str]] = []
+    for category in EXAMPLE_CATEGORIES:
+        for prompt in prompts:
+            if prompt.category == category:
+                words = " ".join(prompt.text.split()[:6])
+                label = f"{category.replace('-', ' ').capitalize()}: {words}…"
+                chosen.append((label, prompt.text))
+                break
+    return chosen
+
+
+def make_handlers(config: AppConfig) -> Handlers:
+    racer = Racer(config)
+
+    def race_handler(
+        prompt: str,
+        pair: str,
+        target: str,
+        draft: str,
+        mode: str,
+        draft_tokens: str,
+        max_new_tokens: float,
+        temperature: float,
+        top_p: float,
+        seed: float,
+        dtype: str,
+        quantization: str,
+        chat: bool,
+        progress: gr.Progress = gr.Progress(),
+    ) -> Iterator[tuple]:
+        """One Run: load, then one race; yields the panes a few times a second and always the final state."""
+        request = RaceRequest(
+            prompt, pair, target, draft, mode, draft_tokens, max_new_tokens, temperature, top_p, seed, dtype,
+            quantization, chat,
+        )
+
+        def report(fraction: float, message: str) -> None:
+            progress(max(0.0, min(1.0, fraction)), desc=message)
+
+        try:
+            prepared = racer.prepare(request, report)
+        except InputError as error:
+            raise gr.Error(str(error), print_exception=False) from None
+        for warning in prepared.warnings:
+            gr.Warning(warning)
+        yield starting_view(prepared)
+        states = racer.run(prepared)
+        interval = config.update_interval
+        last = time.monotonic()
+        state: RaceState | None = None
+        try:
+            for state in states:
+                if state.done:
+                    break
+                now = time.monotonic()
+                if now - last >= interval:
+                    yield view(state, final=False)
+                    last = now
+        except (RuntimeError, ValueError) as error:
+            logger.exception("The race failed")
+            raise gr.Error(f"the race failed: {_first_line(error)}", print_exception=False) from None
+        finally:
+            states.close()  # on Stop, Gradio closes this generator: the race and both decoders close with it
+        if state is not None:
+            yield view(state, final=True)
+
+    def api_race(
+        prompt: str,
+        pair: str = "",
+        mode: str = "draft",
+        draft_tokens: str = "adaptive",
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        chat: bool = True,
+        target: str = "",
+        draft: str = "",
+        dtype: str = "",
+    ) -> dict:
+        """Run one race to the end; returns the final texts, per-token kinds and metrics as JSON."""
+        request = RaceRequest(
+            prompt, pair or None, target, draft, mode, draft_tokens, max_new_tokens, temperature, top_p, seed,
+            dtype or config.dtype, "none", chat,
+        )
+        try:
+            prepared = racer.prepare(request)
+        except InputError as error:
+            raise gr.Error(str(error), print_exception=False) from None
+        state = None
+        try:
+            for state in racer.run(prepared):
+                pass
+        except (RuntimeError, ValueError) as error:
+            logger.exception("The race failed")
+            raise gr.Error(f"the race failed: {_first_line(error)}", print_exception=False) from None
+        assert state is not None
+        return result_dict(state)
+
+    return Handlers(racer, gpu(race_handler, duration=config.gpu_duration), gpu(api_race, duration=config.gpu_duration))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the page
+
+CSS = """
+.tok-box { white-space: pre-wrap; word-break: break-word; overflow-wrap: anywhere;
+  font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace;
+  font-size: 13.5px; line-height: 1.6; background: #ffffff; color: #1f2937;
+  border: 1px solid #e5e7eb; border-radius: 8px; padding: 10px 12px; min-height: 300px; }
+.tok { border-radius: 3px; }
+.tok-accepted { background: #bbf7d0; color: #14532d; }
+.tok-corrected { background: #fed7aa; color: #7c2d12; }
+.tok-bonus { background: #bfdbfe; color: #1e3a8a; }
+.tok-plain { background: #f3f4f6; color: #1f2937; }
+.tok-rejected { display: none; background: #fecaca; color: #991b1b; text-decoration: line-through; }
+body.show-rejected .tok-rejected, .legend .tok-rejected { display: inline !important; }
+.tok:hover { outline: 1px solid #6b7280; }
+.legend { display: flex; flex-wrap: wrap; gap: 6px 14px; align-items: center; font-size: 13px; padding: 4px 0; }
+.legend-swatch { padding: 2px 6px; font-family: inherit; }
+.pane-head { padding: 2px 2px 6px 2px; }
+.pane-title { font-weight: 700; font-size: 16px; }
+.pane-sub { font-size: 12px; color: #6b7280; margin: 1px 0 4px 0; }
+.pane-stats { display: flex; flex-wrap: wrap; gap: 4px 14px; font-size: 13px; }
+.pane-stats b { font-variant-numeric: tabular-nums; }
+.chip { font-size: 11px; font-weight: 600; padding: 1px 8px; border-radius: 999px; margin-left: 6px;
+  vertical-align: middle; }
+.chip-running { background: #fef3c7; color: #92400e; }
+.chip-done { background: #dcfce7; color: #166534; }
+.chip-idle { background: #e5e7eb; color: #374151; }
+.figs { display: flex; gap: 10px; flex-wrap: wrap; }
+.fig { flex: 1 1 120px; border: 1px solid #e5e7eb; border-radius: 8px; padding: 8px 12px; background: #ffffff;
+  color: #111827; min-width: 120px; }
+.fig-value { font-size: 24px; font-weight: 700; font-variant-numeric: tabular-nums; }
+.fig-main .fig-value { font-size: 34px; }
+.fig-good { border-color: #16a34a; background: #f0fdf4; }
+.fig-bad { border-color: #dc2626; background: #fef2f2; }
+.fig-label { font-size: 13px; font-weight: 600; color: #374151; }
+.fig-note { font-size: 11.5px; color: #6b7280; }
+.badge { display: inline-block; border-radius: 8px; padding: 14px 14px; font-weight: 600; font-size: 15px;
+  width: 100%; box-sizing: border-box; }
+.badge-same { background: #dcfce7; color: #166534; border: 1px solid #16a34a; }
+.badge-tie { background: #fef3c7; color: #92400e; border: 1px solid #d97706; }
+.badge-diff { background: #fee2e2; color: #991b1b; border: 1px solid #dc2626; }
+.badge-info { background: #e0f2fe; color: #075985; border: 1px solid #0284c7; }
+.badge-pending { background: #f3f4f6; color: #6b7280; border: 1px dashed #9ca3af; font-weight: 500; }
+#run { min-height: 44px; }
+"""
+
+STOP_JS = (
+    "() => { document.querySelectorAll('.chip-running').forEach(c => "
+    "{ c.textContent = 'stopped'; c.className = 'chip chip-idle'; }); "
+    "document.querySelectorAll('#identical .badge-pending').forEach(b => "
+    "{ b.textContent = 'stopped before the end: no comparison'; }); return []; }"
+)
+STOPPED_TEXT = "Stopped: the race was cancelled; the panes show how far each side got."
+
+SHOW_REJECTED_JS = "(show) => { document.body.classList.toggle('show-rejected', !!show); return []; }"
+
+INTRO = """\
+# ⚡ Speculative decoding race
+Plain decoding (left) and speculative decoding (right) write **the same text with the same target model**, in
+one fair race: the two decoders take turns, each timed only on its own work, so each pane fills at the speed it
+would have alone. A small draft model (or an n-gram lookup in the prompt) proposes a few tokens; the target
+checks them all in one forward pass and keeps the longest correct prefix plus one token of its own.
+"""
+
+
+def _pair_info(config: AppConfig, key: str) -> str:
+    preset = config.presets.get(key)
+    if preset is None:
+        return ""
+    return f"{preset.description}  \n*Hardware:* {preset.hardware}"
+
+
+def build_app(config: AppConfig | None = None) -> gr.Blocks:
+    """The whole page: controls, the two panes, the run figures, the charts and the ``/race`` API."""
+    config = config or AppConfig()
+    handlers = make_handlers(config)
+    default_pair = config.default_pair()
+    quant_reason = config.quantization_unavailable()
+    examples = example_prompts(config)
+    initial_titles = pane_titles(None)
+
+    with gr.Blocks(title=config.title, analytics_enabled=False) as demo:
+        gr.Markdown(INTRO)
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3):
+                prompt = gr.Textbox(
+                    label="Prompt",
+                    placeholder="Type a prompt, or pick an example below",
+                    lines=6,
+                    max_lines=14,
+                    elem_id="prompt",
+                )
+                with gr.Row():
+                    run = gr.Button("Run the race", variant="primary", elem_id="run", scale=3)
+                    stop = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
+            with gr.Column(scale=2):
+                pair = gr.Dropdown(
+                    choices=[(p.label, p.key) for p in config.presets.values()],
+                    value=default_pair,
+                    label="Target + draft pair",
+                    elem_id="pair",
+                )
+                pair_info = gr.Markdown(_pair_info(config, default_pair), elem_id="pair-info")
+                with gr.Row():
+                    mode = gr.Dropdown(
+                        choices=[(f"{label}", key) for key, label in SPEC_MODES.items()],
+                        value=next(iter(SPEC_MODES)),
+                        label="Speculative mode",
+                        elem_id="mode",
+                    )
+                    draft_tokens = gr.Dropdown(
+                        choices=[("adaptive (cost-aware)", "adaptive"), ("heuristic (+2/−1)", "heuristic")]
+                        + [(k, k) for k in DRAFT_LENGTHS[2:]],
+                        value=config.draft_tokens if config.draft_tokens in DRAFT_LENGTHS else "adaptive",
+                        label="Draft tokens per round",
+                        elem_id="draft-tokens",
+                    )
+                max_new_tokens = gr.Slider(
+                    1,
+                    config.max_new_tokens_limit,
+                    value=config.max_new_tokens,
+                    step=1,
+                    label="Max new tokens",
+                    elem_id="max-new-tokens",
+                )
+        with gr.Accordion("More settings", open=False):
+            with gr.Row(visible=config.custom_models):
+                target = gr.Textbox(
+                    label="Custom target (Hub id, local folder, .gguf or offline:NAME)",
+                    placeholder="empty: the pair's target",
+                    visible=config.custom_models,
+                    elem_id="custom-target",
+                )
+                draft = gr.Textbox(
+                    label="Custom draft (must share the target's tokenizer)",
+                    placeholder="empty: the pair's draft",
+                    visible=config.custom_models,
+                    elem_id="custom-draft",
+                )
+            with gr.Row():
+                temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (0 = greedy)")
+                top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
+                seed = gr.Number(value=0, precision=0, label="Seed")
+            with gr.Row():
+                dtype = gr.Dropdown(
+                    choices=list(DTYPES), value=config.dtype if config.dtype in DTYPES else "auto", label="dtype"
+                )
+                quantization = gr.Radio(
+                    choices=[("none", "none"), ("8-bit", "8bit"), ("4-bit", "4bit")],
+                    value="none",
+                    label="Target quantization",
+                    info=quant_reason or "bitsandbytes, target only",
+                    interactive=quant_reason is None,
+                    elem_id="quantization",
+                )
+                chat = gr.Checkbox(value=True, label="Chat template", info="wrap the prompt as one user turn")
+        if examples:
+            gr.Examples(
+                examples=[[text] for _, text in examples],
+                inputs=[prompt],
+                example_labels=[label for label, _ in examples],
+                cache_examples=False,
+                label="Examples",
+            )
+        with gr.Row(equal_height=True):
+            gr.HTML(legend_html(), elem_id="legend")
+            show_rejected = gr.Checkbox(value=False, label="Show rejected drafts (struck through)", scale=0,
+                                        min_width=260, elem_id="show-rejected")
+        with gr.Row(equal_height=False):
+            with gr.Column():
+                plain_stats = gr.HTML(
+                    pane_stats_html(PaneState("plain"), *initial_titles[0], running=False), elem_id="plain-stats"
+                )
+                plain_output = gr.HTML(
+                    "", html_template="<div class='tok-box'>${value}</div>", elem_id="plain-output",
+                    max_height=520, autoscroll=True,
+                )
+            with gr.Column():
+                spec_stats = gr.HTML(
+                    pane_stats_html(PaneState("spec"), *initial_titles[1], running=False), elem_id="spec-stats"
+                )
+                spec_output = gr.HTML(
+                    "", html_template="<div class='tok-box'>${value}</div>", elem_id="spec-output",
+                    max_height=520, autoscroll=True,
+                )
+        with gr.Row(equal_height=True):
+            speedup = gr.HTML(speedup_html(None), elem_id="speedup", scale=1)
+            figures = gr.HTML(figures_html(None), elem_id="figures", scale=2)
+            identical = gr.HTML(identical_html(None), elem_id="identical", scale=1)
+        status = gr.Markdown("", elem_id="status")
+        with gr.Accordion("Charts (after a run)", open=True):
+            with gr.Row():
+                race_plot = gr.LinePlot(
+                    x="seconds",
+                    y="tokens",
+                    color="side",
+                    color_map=SIDE_COLOURS,
+                    title="The race: tokens over own compute time",
+                    x_title="seconds of own compute",
+                    y_title="tokens",
+                    elem_id="race-plot",
+                )
+                length_plot = gr.BarPlot(
+                    x="tokens per pass",
+                    y="rounds",
+                    title="Tokens per target pass (histogram)",
+                    sort=[str(k) for k in range(1, 65)],
+                    elem_id="length-plot",
+                )
+                position_plot = gr.BarPlot(
+                    x="draft position",
+                    y="acceptance rate",
+                    title="Acceptance by draft position",
+                    y_lim=[0, 1],
+                    sort=[str(k) for k in range(1, 65)],
+                    elem_id="position-plot",
+                )
+        with gr.Accordion("Run data (JSON, as the /race API returns it)", open=False):
+            result = gr.JSON(elem_id="result")
+
+        inputs = [prompt, pair, target, draft, mode, draft_tokens, max_new_tokens, temperature, top_p, seed, dtype,
+                  quantization, chat]
+        outputs = [plain_stats, plain_output, spec_stats, spec_output, speedup, figures, identical, status, race_plot,
+                   length_plot, position_plot, result]
+        assert len(inputs) == len(INPUTS) and len(outputs) == len(OUTPUTS)
+        run_event = run.click(
+            handlers.race,
+            inputs=inputs,
+            outputs=outputs,
+            concurrency_limit=1,
+            concurrency_id="device",
+            api_visibility="undocumented",
+            api_name="race_stream",
+            show_progress="minimal",
+        )
+        stop.click(fn=None, cancels=[run_event], js=STOP_JS)
+        stop.click(lambda: STOPPED_TEXT, outputs=status, queue=False, api_visibility="private")
+        pair.change(lambda key: _pair_info(config, key), inputs=pair, outputs=pair_info, queue=False,
+                    api_visibility="private")
+        show_rejected.change(fn=None, inputs=show_rejected, js=SHOW_REJECTED_JS)
+        gr.api(handlers.api, api_name="race", concurrency_limit=1, concurrency_id="device")
+    demo.queue(max_size=config.max_queue, default_concurrency_limit=1)
+    demo.specdemo_handlers = handlers  # for tests and embedding
+    return demo
+
+
+def preload(demo: gr.Blocks) -> None:
+    """Load the default pair now (ZeroGPU Spaces want models loaded before serving); failures only log."""
+    racer: Racer = demo.specdemo_handlers.racer
+    config = racer.config
+    key = config.default_pair()
+    preset = config.presets[key]
+    try:
+        racer._load(preset.target, LoadSettings(dtype=config.dtype, device=config.device), lambda f, m: None, "target")
+        racer._load(preset.draft, LoadSettings(dtype=config.dtype, device=config.device), lambda f, m: None, "draft")
+    except InputError as error:
+        logger.warning("Preloading %s failed: %s", key, error)
+
+
+def launch(demo: gr.Blocks, **kwargs: Any) -> Any:
+    """``demo.launch`` with the page's CSS (Gradio 6 takes CSS at launch)."""
+    kwargs.setdefault("css", CSS)
+    kwargs.setdefault("footer_links", ["api", "gradio"])
+    return demo.launch(**kwargs)

@@ -1,0 +1,100 @@
+"""The app served for real (in this process, on tiny models) and called through ``gradio_client``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client", reason="gradio_client is not installed: pip install gradio_client")
+
+import tiny_app  # noqa: E402
+from specdemo import ui  # noqa: E402
+
+PROMPT = "hello world the cat sat on the mat"
+
+
+@pytest.fixture(scope="module")
+def spied():
+    """Decoders handed to the race, to see that a cancelled race closes them."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def url(spied):
+    real_race = ui.race
+
+    def spying_race(plain, spec):
+        spied.extend([plain, spec])
+        return real_race(plain, spec)
+
+    ui.race = spying_race
+    demo = ui.build_app(tiny_app.config(update_interval=0.05))
+    port = tiny_app.free_port()
+    try:
+        ui.launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+        ui.race = real_race
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return gradio_client.Client(url, verbose=False)
+
+
+def test_race_endpoint_returns_texts_kinds_and_metrics(client) -> None:
+    result = client.predict(
+        prompt=PROMPT, pair="tiny", mode="draft", draft_tokens="3", max_new_tokens=24, api_name="/race"
+    )
+    assert result["plain"]["text"] == result["spec"]["text"] and result["identical"] is True
+    assert len(result["spec"]["kinds"]) == 24 and "accepted" in result["spec"]["kinds"]
+    assert result["speedup"] > 0 and result["spec"]["metrics"]["acceptance_rate"] is not None
+    assert result["target"] == "tiny:target" and result["draft"] == "tiny:draft"
+    ngram = client.predict(prompt="one two three one two three", pair="tiny", mode="ngram", api_name="/race")
+    assert ngram["draft"] is None and ngram["identical"] is True
+
+
+def test_race_endpoint_is_documented(client) -> None:
+    info = client.view_api(print_info=False, return_format="dict")
+    assert "/race" in info["named_endpoints"]
+    names = [p["parameter_name"] for p in info["named_endpoints"]["/race"]["parameters"]]
+    assert names[:4] == ["prompt", "pair", "mode", "draft_tokens"]
+
+
+def test_bad_input_is_a_plain_error_and_the_app_keeps_working(client) -> None:
+    for kwargs, message in [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": PROMPT, "max_new_tokens": 10**7}, "max new tokens"),
+        ({"prompt": PROMPT, "target": "no-such/model"}, "no such model"),
+        ({"prompt": PROMPT, "pair": "tiny-mismatch"}, "different tokenizer"),
+    ]:
+        with pytest.raises(Exception, match=message):
+            client.predict(api_name="/race", **kwargs)
+    assert client.predict(prompt=PROMPT, pair="tiny", max_new_tokens=8, api_name="/race")["identical"] is True
+
+
+def test_requests_queue_one_race_at_a_time(client) -> None:
+    jobs = [client.submit(prompt=PROMPT, pair="tiny", max_new_tokens=16, api_name="/race") for _ in range(3)]
+    results = [job.result(timeout=120) for job in jobs]
+    assert all(r["identical"] for r in results)
+
+
+def test_cancelling_a_running_race_closes_it(client, spied) -> None:
+    spied.clear()
+    inputs = [PROMPT, "tiny-slow", "", "", "draft", "1", 480, 0.0, 1.0, 0, "float32", "none", True]
+    job = client.submit(*inputs, api_name="/race_stream")
+    deadline = time.monotonic() + 60
+    while not spied and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert spied, "the race never started"
+    time.sleep(0.5)
+    job.cancel()  # what the Stop button does
+    cancelled = time.monotonic()
+    deadline = cancelled + 5  # the race itself would need > 10 s more
+    while any(d.gi_frame is not None for d in spied[-2:]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(d.gi_frame is None for d in spied[-2:]), "the cancelled race's decoders are still open"
+    # the device is free again: a new race runs at once
+    assert client.predict(prompt=PROMPT, pair="tiny", max_new_tokens=8, api_name="/race")["identical"] is True

@@ -1,0 +1,174 @@
+"""Universal assisted generation: a draft with a genuinely different tokenizer, exact output, seam handling."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from specdemo.draft_length import FixedDraftLength, make_policy
+from specdemo.engine import GenerationSettings, collect, plain_decode, speculative_decode
+from specdemo.lm import CachedLM
+from specdemo.sampling import SamplingSettings
+from specdemo.uag import UniversalDrafter, reencode_after, text_after, to_target_tokens
+
+from test_sampling import _chi_square_p
+from test_detok import TRICKY, build_byte_level, build_sentencepiece_byte_fallback, build_metaspace
+from tiny import llama, reference_greedy
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizers_pair():
+    return build_byte_level(), build_sentencepiece_byte_fallback()
+
+
+def _models(target_tok, draft_tok):
+    target = llama(31, layers=2, vocab=len(target_tok))
+    draft = llama(32, layers=1, vocab=len(draft_tok))
+    return target, draft
+
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n",
+    "naïve café — 日本語のテキスト 😀👍🏽",
+    "    indented line with trailing spaces   \n",
+    "The naïve café owner served crème brûlée",
+]
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["bytelevel-target", "sentencepiece-target"])
+@pytest.mark.parametrize("k", [1, 3, 6, "adaptive"])
+def test_greedy_equals_target_alone(swap: bool, k):
+    byte_level, sentencepiece = tokenizers_pair()
+    target_tok, draft_tok = (sentencepiece, byte_level) if swap else (byte_level, sentencepiece)
+    target, draft = _models(target_tok, draft_tok)
+    settings = GenerationSettings(max_new_tokens=20)
+    for text in PROMPTS:
+        prompt = target_tok(text)["input_ids"]
+        expected = reference_greedy(target, prompt, 20)
+        drafter = UniversalDrafter(draft, draft_tok, target_tok, SamplingSettings(), [draft_tok.eos_token_id])
+        final = collect(speculative_decode(CachedLM(target), drafter, make_policy(k), prompt, settings, (), target_tok))
+        assert final.new_token_ids == expected, (text, k)
+        assert final.text == target_tok.decode(expected, skip_special_tokens=True)
+
+
+def test_eos_inside_a_draft_and_a_useful_draft():
+    """A draft that writes the target's text verbatim: most proposals are accepted, EOS mid-draft stops the run."""
+    byte_level, sentencepiece = tokenizers_pair()
+    target = llama(33, layers=2, vocab=len(byte_level))
+    prompt = byte_level("def add(a, b):")["input_ids"]
+    free_run = reference_greedy(target, prompt, 24)
+    eos = free_run[15]
+    expected = reference_greedy(target, prompt, 24, eos=[eos])
+
+    class Oracle(UniversalDrafter):
+        """Drafts the target's own continuation, written through the draft tokenizer."""
+
+        def propose(self, context, max_tokens):
+            if not self._sync_text(context):
+                return super().propose(context, max_tokens)
+            produced = list(context[len(prompt) :])
+            future = free_run[len(produced) : len(produced) + max_tokens + 2]
+            draft_ids = sentencepiece(byte_level.decode(future, skip_special_tokens=False), add_special_tokens=False)["input_ids"]
+            text = text_after(sentencepiece, self.stream[-4:], draft_ids) or ""
+            tokens = to_target_tokens(byte_level, context, sentencepiece.decode(draft_ids))
+            return super().propose(context, 0) if not tokens else type(super().propose(context, 0))(tokens[:max_tokens], None)
+
+    draft = llama(34, layers=1, vocab=len(sentencepiece))
+    drafter = Oracle(draft, sentencepiece, byte_level, SamplingSettings(), [sentencepiece.eos_token_id])
+    final = collect(speculative_decode(CachedLM(target), drafter, FixedDraftLength(5), prompt, GenerationSettings(24), [eos], byte_level))
+    assert final.new_token_ids == expected
+    assert final.finish_reason == "eos"
+    assert final.counters.accepted > 0
+
+
+def test_sampling_stays_exact_with_point_mass_verification():
+    """The uag drafter proposes a point mass: sampled output follows the target (chi-square on the first 2 tokens)."""
+    byte_level, sentencepiece = tokenizers_pair()
+    target, draft = _models(byte_level, sentencepiece)
+    prompt = byte_level("def add(a, b):")["input_ids"]
+    sampling = SamplingSettings(temperature=1.0, top_k=3)
+    from specdemo.sampling import target_distribution
+
+    with torch.inference_mode():
+        first = target_distribution(target(input_ids=torch.tensor([prompt])).logits[0, -1], sampling)
+        support = torch.nonzero(first).flatten().tolist()
+        second = {t: target_distribution(target(input_ids=torch.tensor([prompt + [t]])).logits[0, -1], sampling) for t in support}
+    exact = {(a, b): float(first[a] * second[a][b]) for a in support for b in torch.nonzero(second[a]).flatten().tolist()}
+    counts: dict = {}
+    trials = 600
+    for seed in range(trials):
+        settings = GenerationSettings(3, SamplingSettings(1.0, 3, 1.0, seed), collect_probs=False)
+        drafter = UniversalDrafter(draft, sentencepiece, byte_level, settings.sampling, [], torch.Generator().manual_seed(seed))
+        ids = collect(speculative_decode(CachedLM(target), drafter, FixedDraftLength(3), prompt, settings)).new_token_ids
+        counts[(ids[0], ids[1])] = counts.get((ids[0], ids[1]), 0) + 1
+    assert set(counts) <= set(exact)
+    assert _chi_square_p(counts, exact, trials) > 1e-3
+
+
+# --- the seams, on hand-made streams ---------------------------------------------------------------------------
+
+
+def test_reencode_merges_a_token_that_spans_the_seam():
+    byte_level, _ = tokenizers_pair()
+    text = "The naïve café owner"
+    stream = byte_level(text[:-3], add_special_tokens=False)["input_ids"]  # "...café ow" ends mid-word
+    merged = reencode_after(byte_level, stream, text[-3:], text, add_bos=False)
+    assert byte_level.decode(merged) == text
+    assert merged == byte_level(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("builder", [build_sentencepiece_byte_fallback, build_metaspace])
+def test_reencode_keeps_leading_space_markers(builder):
+    tokenizer = builder()
+    text = "the naive cafe owner served a colada to the painter and the owner"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text  # no <unk> here
+    cut = text.index(" served")
+    stream = tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
+    merged = reencode_after(tokenizer, stream, text[cut:], text, add_bos=False)
+    assert tokenizer.decode(merged) == text
+    # the new word keeps its "▁" marker: the stream equals a fresh encoding of the whole text
+    assert merged == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_reencode_adds_no_bos_mid_stream():
+    _, sentencepiece = tokenizers_pair()
+    sentencepiece_with_bos = sentencepiece
+    stream = sentencepiece_with_bos("<s>hello there", add_special_tokens=False)["input_ids"]
+    merged = reencode_after(sentencepiece_with_bos, stream, " friend", "<s>hello there friend", add_bos=True)
+    assert merged.count(sentencepiece.bos_token_id) == 1
+
+
+def test_byte_fallback_pieces_and_split_characters():
+    _, sentencepiece = tokenizers_pair()
+    text = "Unseen chars: 𝄞 ꙮ 🦩"
+    ids = sentencepiece(text, add_special_tokens=False)["input_ids"]
+    assert any(sentencepiece.convert_ids_to_tokens(i).startswith("<0x") for i in ids)  # byte fallback used
+    # a cut inside a character's byte pieces: text_after reports the incomplete tail as U+FFFD, never a wrong char
+    for cut in range(1, len(ids)):
+        piece = text_after(sentencepiece, ids[:cut], ids[cut:])
+        assert piece is None or text.endswith(piece.replace("\ufffd", "")) or "\ufffd" in piece
+
+
+def test_to_target_tokens_refuses_a_merge_with_the_context():
+    byte_level, _ = tokenizers_pair()
+    context = byte_level("def add(a, b):\n    ret", add_special_tokens=False)["input_ids"]
+    # "urn" would merge with "ret" in the byte-level tokenizer if the merge exists; either way the result must
+    # continue the context exactly
+    tokens = to_target_tokens(byte_level, context, "urn a + b")
+    if tokens:
+        assert byte_level.decode(context + tokens) == "def add(a, b):\n    return a + b"
+    assert to_target_tokens(byte_level, context, "") == []
+
+
+@pytest.mark.parametrize("text", [t for t in TRICKY if t])
+def test_draft_stream_follows_target_text(text: str):
+    """After each sync the draft stream decodes exactly to the target's text (prompt + accepted tokens)."""
+    byte_level, sentencepiece = tokenizers_pair()
+    draft = llama(35, layers=1, vocab=len(sentencepiece))
+    drafter = UniversalDrafter(draft, sentencepiece, byte_level, SamplingSettings())
+    ids = byte_level(text, add_special_tokens=False)["input_ids"]
+    for end in range(1, len(ids) + 1):
+        if drafter._sync_text(ids[:end]):
+            assert sentencepiece.decode(drafter.stream) == byte_level.decode(ids[:end])

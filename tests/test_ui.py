@@ -1,0 +1,318 @@
+"""The app's handlers and pure view functions, driven directly with tiny random models (CPU, float32, seconds)."""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from html import unescape
+
+import gradio as gr
+import pandas as pd
+import pytest
+
+import tiny_app
+from specdemo import ui
+from specdemo.engine import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, TokenEvent
+from specdemo.spaces_compat import gpu
+
+SPAN = re.compile(r'<span class="tok tok-(\w+)" title="([^"]*)">(.*?)</span>', re.S)
+PROMPT = "hello world the cat sat on the mat"
+
+
+def run(handlers: ui.Handlers, prompt: str = PROMPT, **overrides) -> list[dict]:
+    values = dict(
+        prompt=prompt,
+        pair="tiny",
+        target="",
+        draft="",
+        mode="draft",
+        draft_tokens="4",
+        max_new_tokens=40,
+        temperature=0.0,
+        top_p=1.0,
+        seed=0,
+        dtype="float32",
+        quantization="none",
+        chat=True,
+    )
+    values.update(overrides)
+    updates = handlers.race(*[values[name] for name in ui.INPUTS])
+    return [dict(zip(ui.OUTPUTS, update)) for update in updates]
+
+
+def spans(pane_html: str) -> list[tuple[str, str, str]]:
+    return [(kind, unescape(title), unescape(text)) for kind, title, text in SPAN.findall(pane_html)]
+
+
+@pytest.fixture()
+def handlers() -> ui.Handlers:
+    return ui.make_handlers(tiny_app.config())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pure functions
+
+
+def test_render_token_escapes_text_and_title() -> None:
+    token = TokenEvent(5, '<b>&"x"\n  y', ACCEPTED, 3, 0.5, 0.25)
+    rendered = ui.render_token(token)
+    assert "<b>" not in rendered and "&lt;b&gt;&amp;&quot;x&quot;\n  y" in rendered
+    assert 'class="tok tok-accepted"' in rendered
+    [(kind, title, text)] = spans(rendered)
+    assert (kind, text) == ("accepted", '<b>&"x"\n  y')
+    assert "round 3" in title and "draft p = 0.500" in title and "target p = 0.250" in title
+    odd = ui.render_token(TokenEvent(1, "<script>", "weird", 0))
+    assert "tok-plain" in odd and "<script>" not in odd
+    assert "draft p" not in ui.token_title(TokenEvent(1, "a", PLAIN, 0, None, 0.9))
+
+
+def test_legend_names_every_kind() -> None:
+    legend = ui.legend_html()
+    for kind in (ACCEPTED, CORRECTED, BONUS, PLAIN, REJECTED):
+        assert f"tok-{kind}" in legend
+    assert "white-space: pre-wrap" in ui.CSS and "line-through" in ui.CSS
+
+
+def test_chart_frames_from_counters() -> None:
+    counters = Counters()
+    for drafted, accepted in [(4, 4), (4, 1), (3, 0), (4, 2)]:
+        counters.record_round(drafted, accepted, accepted + 1)
+    lengths = ui.accepted_length_frame(counters)
+    assert list(lengths["tokens per pass"]) == ["1", "2", "3", "4", "5"]
+    assert list(lengths["rounds"]) == [1, 1, 1, 0, 1]
+    positions = ui.acceptance_position_frame(counters)
+    assert list(positions["draft position"]) == ["1", "2", "3", "4"]
+    assert list(positions["acceptance rate"]) == [0.75, 0.5, 0.25, 1 / 3]
+    assert ui.accepted_length_frame(Counters()).empty and ui.acceptance_position_frame(Counters()).empty
+
+
+def test_badges() -> None:
+    state = ui.RaceState(None)
+    assert "pending" in ui.identical_html(state)
+    state.done = True
+    state.plain.ids = [1, 2, 3]
+    assert "identical output (3 tokens)" in ui.identical_html(state)
+    state.divergence, state.margin = 1, 0.0625
+    tie = ui.identical_html(state)
+    assert "near-tie" in tie and "token 2" in tie and "logit margin 0.062" in tie
+    state.margin = 4.0
+    assert "differ at token 2" in ui.identical_html(state)
+    assert "–" in ui.speedup_html(None) and "–" in ui.figures_html(None)
+
+
+def test_parsers() -> None:
+    assert ui.parse_draft_tokens("adaptive") == "adaptive" and ui.parse_draft_tokens("5") == 5
+    assert ui.parse_draft_tokens(3.0) == 3 and ui.parse_draft_tokens(None) == "adaptive"
+    for bad in ("0", "sometimes", 40, True):
+        with pytest.raises(ui.InputError):
+            ui.parse_draft_tokens(bad)
+    assert ui.parse_max_new_tokens(64.0, 100) == 64
+    for bad in (0, -3, 101, 2.5, "lots", None):
+        with pytest.raises(ui.InputError, match="max new tokens"):
+            ui.parse_max_new_tokens(bad, 100)
+    assert ui.parse_seed(None) is None and ui.parse_seed(7.0) == 7
+
+
+def test_spaces_decorator_is_a_no_op_without_spaces() -> None:
+    def f() -> int:
+        return 1
+
+    assert gpu(f) is f and gpu(duration=30)(f) is f and gpu(f, duration=30) is f
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the race handler
+
+
+def test_race_colours_both_panes_and_outputs_are_identical(handlers: ui.Handlers) -> None:
+    updates = run(handlers)
+    final = updates[-1]
+    result = final["result"]
+    plain, spec = spans(final["plain_output"]), spans(final["spec_output"])
+    assert {kind for kind, _, _ in plain} == {"plain"}
+    spec_kinds = {kind for kind, _, _ in spec}
+    assert "accepted" in spec_kinds and ("corrected" in spec_kinds or "bonus" in spec_kinds)
+    # the shown pieces add up to the decoded text exactly; rejected drafts are extra (hidden by default)
+    assert "".join(text for _, _, text in plain) == result["plain"]["text"]
+    assert "".join(text for kind, _, text in spec if kind != "rejected") == result["spec"]["text"]
+    assert result["plain"]["text"] == result["spec"]["text"] and result["identical"] is True
+    assert len(result["spec"]["kinds"]) == 40 == result["spec"]["metrics"]["new_tokens"]
+    assert all("round" in title and "target p" in title for kind, title, _ in spec if kind != "rejected")
+    # figures and badge
+    assert re.search(r"\d+\.\d\d×", final["speedup"])
+    assert "identical output (40 tokens)" in final["identical"]
+    assert "acceptance rate" in final["figures"] and "expected speedup" in final["figures"]
+    assert "done (length)" in final["plain_stats"] and "tok/s" in final["spec_stats"]
+    # charts after the run
+    race_df = final["race_plot"]
+    assert isinstance(race_df, pd.DataFrame) and set(race_df["side"]) == {"plain", "speculative"}
+    assert race_df.groupby("side")["tokens"].max().to_dict() == {"plain": 40, "speculative": 40}
+    assert int(final["length_plot"]["rounds"].sum()) == result["spec"]["metrics"]["rounds"]
+    assert (final["position_plot"]["acceptance rate"].between(0, 1)).all()
+    json.dumps(result)  # the API's JSON is plain JSON
+
+
+def test_updates_stream_then_final_state_is_always_sent() -> None:
+    streaming = run(ui.make_handlers(tiny_app.config(update_interval=0.0)))
+    assert len(streaming) > 5
+    first = streaming[0]
+    assert first["plain_output"] == "" and first["race_plot"] is None and "Racing" in first["status"]
+    counts = [len(spans(u["plain_output"])) for u in streaming]
+    assert counts == sorted(counts)
+    assert all(u["race_plot"] is not None for u in streaming[-1:])
+    throttled = run(ui.make_handlers(tiny_app.config(update_interval=60.0)))
+    assert len(throttled) == 2  # the starting view and the final state
+    assert throttled[-1]["result"]["identical"] is True
+
+
+def test_stop_closes_the_race_and_both_decoders(handlers: ui.Handlers, monkeypatch: pytest.MonkeyPatch) -> None:
+    decoders = []
+    real_race = ui.race
+
+    def spying_race(plain, spec):
+        decoders.extend([plain, spec])
+        return real_race(plain, spec)
+
+    monkeypatch.setattr(ui, "race", spying_race)
+    values = dict(zip(ui.INPUTS, [PROMPT, "tiny", "", "", "draft", "2", 400, 0.0, 1.0, 0, "float32", "none", True]))
+    updates = handlers.race(*values.values())
+    for _ in range(4):
+        next(updates)
+    assert not any(d.gi_frame is None for d in decoders)  # both decoders are running
+    updates.close()  # what Gradio does when the Stop button cancels the event
+    assert len(decoders) == 2 and all(d.gi_frame is None for d in decoders)  # both closed
+    # and the app keeps working
+    assert run(handlers)[-1]["result"]["identical"] is True
+
+
+def test_ngram_mode_needs_no_draft_and_shows_mode(handlers: ui.Handlers) -> None:
+    final = run(handlers, prompt="one two three one two three one two three", mode="ngram", pair="tiny-mismatch")[-1]
+    assert final["result"]["draft"] is None and final["result"]["mode"] == "ngram"
+    assert final["result"]["identical"] is True
+    assert "n-gram" in final["spec_stats"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": "   \n"}, "prompt is empty"),
+        ({"max_new_tokens": 0}, "max new tokens"),
+        ({"max_new_tokens": 10**9}, "max new tokens"),
+        ({"max_new_tokens": 3.5}, "max new tokens"),
+        ({"target": "no-such/model"}, "no such model"),
+        ({"draft": "no-such/draft"}, "no such model"),
+        ({"pair": "tiny-broken"}, "no config.json"),
+        ({"pair": "nope"}, "unknown pair"),
+        ({"pair": "tiny-mismatch"}, "different tokenizer"),
+        ({"mode": "telepathy"}, "unknown mode"),
+        ({"draft_tokens": "lots"}, "draft tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"seed": -4}, "seed"),
+        ({"dtype": "int3"}, "dtype"),
+        ({"quantization": "4bit"}, "CUDA"),
+        ({"max_new_tokens": 500, "prompt": "the " * 100}, "context"),
+    ],
+)
+def test_bad_input_raises_gr_error_and_the_app_keeps_working(handlers: ui.Handlers, overrides, message) -> None:
+    with pytest.raises(gr.Error) as caught:
+        run(handlers, **overrides)
+    assert message in caught.value.message
+    assert "\n" not in caught.value.message
+    assert run(handlers)[-1]["result"]["identical"] is True
+
+
+def test_custom_models_can_be_switched_off() -> None:
+    handlers = ui.make_handlers(tiny_app.config(custom_models=False))
+    with pytest.raises(gr.Error, match="switched off"):
+        run(handlers, target="tiny:target")
+    assert run(handlers)[-1]["result"]["identical"] is True
+
+
+def test_custom_pair_and_warnings(handlers: ui.Handlers) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        final = run(handlers, target="tiny:target", draft="tiny:target", max_new_tokens=12)[-1]
+    assert final["result"]["target"] == "tiny:target" and final["result"]["draft"] == "tiny:target"
+    assert final["result"]["spec"]["metrics"]["acceptance_rate"] == 1.0
+    assert any("draft is the target itself" in str(w.message) for w in caught)
+
+
+def test_sampling_runs_and_says_why_texts_differ(handlers: ui.Handlers) -> None:
+    with pytest.warns(UserWarning, match="Sampling"):
+        final = run(handlers, temperature=1.0, top_p=0.9, seed=3, max_new_tokens=24)[-1]
+    result = final["result"]
+    assert result["temperature"] == 1.0 and len(result["spec"]["kinds"]) == 24
+    if not result["identical"]:
+        assert "sampled" in final["identical"]
+
+
+def test_api_returns_texts_kinds_and_metrics(handlers: ui.Handlers) -> None:
+    result = handlers.api(PROMPT, pair="tiny", mode="draft", draft_tokens="3", max_new_tokens=16, chat=False)
+    assert result["plain"]["text"] == result["spec"]["text"] and result["identical"] is True
+    assert set(result["spec"]["kinds"]) <= {ACCEPTED, CORRECTED, BONUS, PLAIN}
+    assert result["plain"]["metrics"]["new_tokens"] == 16 and result["speedup"] > 0
+    assert {"speedup", "draft_cost", "verify_cost", "expected_speedup"} <= set(result["comparison"])
+    with pytest.raises(gr.Error, match="prompt is empty"):
+        handlers.api("", pair="tiny")
+
+
+def test_warm_up_runs_once_per_pair() -> None:
+    handlers = ui.make_handlers(tiny_app.config(warmup_tokens=4))
+    first = handlers.racer.prepare(ui.RaceRequest(PROMPT, "tiny", mode="draft", max_new_tokens=8, dtype="float32"))
+    again = handlers.racer.prepare(ui.RaceRequest(PROMPT, "tiny", mode="draft", max_new_tokens=8, dtype="float32"))
+    assert first.warmup_seconds > 0 and again.warmup_seconds == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the page
+
+
+def _components(demo: gr.Blocks) -> dict[str, dict]:
+    return {c["props"].get("elem_id"): c for c in demo.config["components"] if c["props"].get("elem_id")}
+
+
+def test_page_has_ids_examples_queue_and_api() -> None:
+    demo = ui.build_app(tiny_app.config())
+    components = _components(demo)
+    for elem_id in ("prompt", "run", "stop", "pair", "mode", "plain-output", "spec-output", "speedup", "identical"):
+        assert elem_id in components, elem_id
+    assert components["custom-target"]["props"]["visible"] is True
+    assert components["quantization"]["props"]["interactive"] is False
+    mode_choices = [value for _, value in components["mode"]["props"]["choices"]]
+    assert mode_choices == list(ui.SPEC_MODES)
+    dependencies = demo.config["dependencies"]
+    race_deps = [d for d in dependencies if d.get("api_name") == "race"]
+    assert len(race_deps) == 1
+    fns = {fn.api_name: fn for fn in demo.fns.values()}
+    for name in ("race", "race_stream"):  # one race at a time on the device, API calls included
+        assert fns[name].concurrency_limit == 1 and fns[name].concurrency_id == "device"
+    stream_id = [d["id"] for d in dependencies if d.get("api_name") == "race_stream"]
+    assert any(d.get("cancels") == stream_id for d in dependencies)  # the Stop button
+    labels = [c["props"].get("sample_labels") for c in demo.config["components"] if c["type"] == "dataset"]
+    assert labels and [label.split(":")[0] for label in labels[0]] == [
+        "Chat", "Code writing", "Code editing", "Summarization", "Translation"
+    ]
+
+
+def test_no_custom_models_hides_the_boxes() -> None:
+    components = _components(ui.build_app(tiny_app.config(custom_models=False)))
+    assert components["custom-target"]["props"]["visible"] is False
+    assert components["custom-draft"]["props"]["visible"] is False
+
+
+def test_app_arguments() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("app", Path(__file__).parents[1] / "app.py")
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+    args = app.build_parser().parse_args([])
+    assert args.host == "127.0.0.1" and args.share is False and args.custom_models is True
+    args = app.build_parser().parse_args(["--no-custom-models", "--pair", "smollm2-1.7b", "--port", "7999"])
+    assert args.custom_models is False and args.pair == "smollm2-1.7b" and args.port == 7999
+    with pytest.raises(SystemExit):
+        app.build_parser().parse_args(["--pair", "nope"])
