@@ -199,6 +199,7 @@ def _sum_counters(items: list[Counters]) -> Counters:
         total.draft_seconds += c.draft_seconds
         total.verify_seconds += c.verify_seconds
         total.accepted_lengths.extend(c.accepted_lengths)
+        total.draft_lengths.extend(c.draft_lengths)
         for position, (d, a) in enumerate(zip(c.drafted_at, c.accepted_at)):
             while len(total.drafted_at) <= position:
                 total.drafted_at.append(0)
@@ -482,6 +483,10 @@ def _parse_modes(text: str) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         modes = _parse_modes(args.modes)
         if args.max_new_tokens < 1:

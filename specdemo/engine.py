@@ -69,6 +69,7 @@ class Counters:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     accepted_lengths: list[int] = field(default_factory=list)  # tokens per verification round (bonus included)
+    draft_lengths: list[int] = field(default_factory=list)  # tokens drafted in each verification round
     drafted_at: list[int] = field(default_factory=list)  # per draft position: how often a token was drafted there
     accepted_at: list[int] = field(default_factory=list)  # ... and accepted there
 
@@ -77,6 +78,7 @@ class Counters:
         return replace(
             self,
             accepted_lengths=list(self.accepted_lengths),
+            draft_lengths=list(self.draft_lengths),
             drafted_at=list(self.drafted_at),
             accepted_at=list(self.accepted_at),
         )
@@ -93,6 +95,7 @@ class Counters:
         if accepted < drafted:
             self.rejection_rounds += 1
         self.accepted_lengths.append(produced)
+        self.draft_lengths.append(drafted)
         while len(self.drafted_at) < drafted:
             self.drafted_at.append(0)
             self.accepted_at.append(0)

@@ -6,9 +6,9 @@ Definitions (README, "Reading the figures"):
   that one draft token is accepted, the alpha of Leviathan et al.;
 - mean accepted length = tokens produced per verification pass, bonus/corrected token included (vLLM's
   definition), so plain decoding has 1.0;
-- expected speedup = E / (gamma * c + v) with E = (1 - alpha^(gamma+1)) / (1 - alpha), gamma the mean draft
-  length, c the draft cost per token and v the verify pass cost, both relative to one plain decoding step
-  measured in the same run. With v = 1 this is Leviathan et al.'s formula; measuring v keeps it honest where a
+- expected speedup = E / (gamma * c + v) with E = (1 - alpha^(gamma+1)) / (1 - alpha) averaged over the run's
+  rounds (each with its own draft length), gamma the mean draft length, c the draft cost per token and v the
+  verify pass cost, both relative to one plain decoding step measured in the same run. With v = 1 this is Leviathan et al.'s formula; measuring v keeps it honest where a
   k-token pass costs more than a one-token pass (float32 on a CPU).
 """
 
@@ -32,6 +32,7 @@ class RunMetrics:
     alpha: float | None
     mean_accepted_length: float | None
     mean_draft_length: float | None
+    expected_tokens_per_round: float | None  # E(alpha, k) averaged over the rounds' draft lengths
     acceptance_by_position: list[float]
     prefill_seconds: float
     draft_seconds: float
@@ -60,6 +61,11 @@ def run_metrics(counters: Counters) -> RunMetrics:
         alpha=alpha,
         mean_accepted_length=sum(counters.accepted_lengths) / rounds if rounds else None,
         mean_draft_length=drafted / rounds if rounds else None,
+        expected_tokens_per_round=(
+            sum(expected_tokens_per_pass(alpha, k) for k in counters.draft_lengths) / len(counters.draft_lengths)
+            if alpha is not None and counters.draft_lengths
+            else None
+        ),
         acceptance_by_position=[a / d if d else 0.0 for a, d in zip(counters.accepted_at, counters.drafted_at)],
         prefill_seconds=counters.prefill_seconds,
         draft_seconds=counters.draft_seconds,
@@ -102,6 +108,7 @@ def compare(spec: RunMetrics, plain: RunMetrics) -> Comparison:
     draft_cost = (spec.draft_seconds / spec.drafted) / plain_step if spec.drafted else 0.0
     gamma = spec.mean_draft_length or 0.0
     alpha = spec.alpha if spec.alpha is not None else 0.0
-    expected = expected_speedup(alpha, gamma, draft_cost, verify_cost)
+    tokens_per_round = spec.expected_tokens_per_round or expected_tokens_per_pass(alpha, gamma)
+    expected = tokens_per_round / (gamma * draft_cost + verify_cost)
     fraction = speedup / expected if speedup is not None and expected > 0 else None
     return Comparison(speedup, draft_cost, verify_cost, expected, fraction)

@@ -658,7 +658,7 @@ def identical_html(state: RaceState | None) -> str:
     return f'<div class="badge badge-diff">≠ outputs differ at token {position + 1}{html.escape(margin)}</div>'
 
 
-def status_text(state: RaceState | None, stopped: bool = False) -> str:
+def status_text(state: RaceState | None) -> str:
     if state is None:
         return ""
     prepared = state.prepared
