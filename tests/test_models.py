@@ -238,7 +238,10 @@ def test_same_tokenizer(tiny_folder: Path) -> None:
 def test_presets_order_and_lookup() -> None:
     keys = list(presets.PRESETS)
     assert keys[0] == "offline-qwen-coder"
-    assert set(keys) == {"offline-qwen-coder", "qwen2.5-7b", "llama-3.1-8b", "smollm2-1.7b", "qwen2.5-coder-7b"}
+    assert {"offline-qwen-coder", "qwen2.5-7b", "llama-3.1-8b", "smollm2-1.7b", "qwen2.5-coder-7b"} <= set(keys)
+    uag_pairs = [p for p in presets.PRESETS.values() if p.mode == "uag"]
+    assert {p.key for p in uag_pairs} >= {"offline-smollm-qwen-coder", "offline-smollm-qwen-coder-0.5b"}
+    assert all(p.mode in ("draft", "uag") for p in presets.PRESETS.values())
     pair = presets.get_preset("offline-qwen-coder")
     assert (pair.target, pair.draft) == ("offline:qwen2.5-coder-1.5b", "offline:qwen2.5-coder-0.5b")
     assert presets.preset_choices()[0] == (pair.label, pair.key)
