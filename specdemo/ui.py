@@ -1004,6 +1004,17 @@ def _pair_info(config: AppConfig, key: str) -> str:
     return f"{preset.description}  \n*Hardware:* {preset.hardware}"
 
 
+def mode_for_pair(config: AppConfig, key: str, current: str) -> str:
+    """The mode a preset is meant for ("uag" for a pair with different tokenizers); keeps ``current`` otherwise,
+    except that a same-tokenizer pair leaves the uag mode for draft mode."""
+    preset = config.presets.get(key)
+    if preset is None:
+        return current
+    if preset.mode == "uag":
+        return "uag"
+    return "draft" if current == "uag" else current
+
+
 def build_app(config: AppConfig | None = None) -> gr.Blocks:
     """The whole page: controls, the two panes, the run figures, the charts and the ``/race`` API."""
     config = config or AppConfig()
@@ -1171,6 +1182,8 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
         stop.click(lambda: STOPPED_TEXT, outputs=status, queue=False, api_visibility="private")
         pair.change(lambda key: _pair_info(config, key), inputs=pair, outputs=pair_info, queue=False,
                     api_visibility="private")
+        pair.change(lambda key, current: mode_for_pair(config, key, current), inputs=[pair, mode], outputs=mode,
+                    queue=False, api_visibility="private")
         show_rejected.change(fn=None, inputs=show_rejected, js=SHOW_REJECTED_JS)
         gr.api(handlers.api, api_name="race", concurrency_limit=1, concurrency_id="device")
     demo.queue(max_size=config.max_queue, default_concurrency_limit=1)

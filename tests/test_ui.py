@@ -316,3 +316,14 @@ def test_app_arguments() -> None:
     assert args.custom_models is False and args.pair == "smollm2-1.7b" and args.port == 7999
     with pytest.raises(SystemExit):
         app.build_parser().parse_args(["--pair", "nope"])
+
+
+def test_uag_presets_select_the_uag_mode():
+    from specdemo.presets import PRESETS
+    from specdemo.ui import AppConfig, mode_for_pair
+
+    config = AppConfig()
+    assert mode_for_pair(config, "offline-smollm-qwen-coder", "draft") == "uag"
+    assert mode_for_pair(config, "offline-qwen-coder", "uag") == "draft"
+    assert mode_for_pair(config, "offline-qwen-coder", "ngram") == "ngram"
+    assert all(mode_for_pair(config, key, "draft") == preset.mode for key, preset in PRESETS.items())
