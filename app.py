@@ -28,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-custom-models",
         dest="custom_models",
         action="store_false",
-        help="hide the custom target/draft boxes (for hosted use): only the presets can be raced",
+        default=os.environ.get("SPECDEMO_CUSTOM_MODELS", "1").strip() != "0",
+        help="hide the custom target/draft boxes (for hosted use; or set SPECDEMO_CUSTOM_MODELS=0, e.g. on a "
+        "Space): only the presets can be raced",
     )
     parser.add_argument(
         "--preload",

@@ -1129,9 +1129,12 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
                     max_height=520, autoscroll=True,
                 )
         with gr.Row(equal_height=True):
-            speedup = gr.HTML(speedup_html(None), elem_id="speedup", scale=1)
-            figures = gr.HTML(figures_html(None), elem_id="figures", scale=2)
-            identical = gr.HTML(identical_html(None), elem_id="identical", scale=1)
+            with gr.Column(scale=1, min_width=200):
+                speedup = gr.HTML(speedup_html(None), elem_id="speedup")
+            with gr.Column(scale=2, min_width=380):
+                figures = gr.HTML(figures_html(None), elem_id="figures")
+            with gr.Column(scale=1, min_width=200):
+                identical = gr.HTML(identical_html(None), elem_id="identical")
         status = gr.Markdown("", elem_id="status")
         with gr.Accordion("Charts (after a run)", open=True):
             with gr.Row():

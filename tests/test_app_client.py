@@ -14,6 +14,12 @@ from specdemo import ui  # noqa: E402
 PROMPT = "hello world the cat sat on the mat"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    with tiny_app.one_thread():
+        yield
+
+
 @pytest.fixture(scope="module")
 def spied():
     """Decoders handed to the race, to see that a cancelled race closes them."""

@@ -32,6 +32,12 @@ from specdemo import ui  # noqa: E402
 PROMPT = "hello world the cat sat on the mat"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    with tiny_app.one_thread():
+        yield
+
+
 @pytest.fixture(scope="module")
 def url():
     demo = ui.build_app(tiny_app.config(max_new_tokens=48, update_interval=0.1, draft_tokens="4"))

@@ -20,6 +20,12 @@ SPAN = re.compile(r'<span class="tok tok-(\w+)" title="([^"]*)">(.*?)</span>', r
 PROMPT = "hello world the cat sat on the mat"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    with tiny_app.one_thread():
+        yield
+
+
 def run(handlers: ui.Handlers, prompt: str = PROMPT, **overrides) -> list[dict]:
     values = dict(
         prompt=prompt,

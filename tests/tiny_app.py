@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 import socket
 import time
 from functools import lru_cache
@@ -24,9 +25,18 @@ WORDS = (
 CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}{% if add_generation_prompt %}<s> {% endif %}"
 VOCAB = 128
 
-# tiny models gain nothing from threads, and OpenMP threads spinning against other processes on a busy
-# 2-core machine make them 10-50x slower
-torch.set_num_threads(1)
+
+
+@contextmanager
+def one_thread():
+    """Tiny models gain nothing from threads, and OpenMP threads spinning against other processes on a busy
+    2-core machine make them 10-50x slower: one torch thread while the app's tests run, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def tokenizer(shift: int = 0) -> PreTrainedTokenizerFast:
