@@ -168,7 +168,8 @@ def _prob(probs: torch.Tensor | None, row: int, token: int) -> float | None:
     return None if probs is None else float(probs[row, token])
 
 
-def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    """A torch.Generator seeded with ``seed`` on ``device`` (None when no seed is given)."""
     if seed is None:
         return None
     generator = torch.Generator(device=device)
@@ -215,7 +216,7 @@ def plain_decode(
     settings.validate()
     prompt = _check_prompt(prompt_ids)
     device = getattr(target, "device", torch.device("cpu"))
-    generator = _generator(settings.sampling.seed, device)
+    generator = seeded_generator(settings.sampling.seed, device)
     output = _Output(tokenizer, settings, eos_token_ids)
     counters = Counters()
 
@@ -263,7 +264,7 @@ def speculative_decode(
     sampling = settings.sampling
     prompt = _check_prompt(prompt_ids)
     device = getattr(target, "device", torch.device("cpu"))
-    generator = _generator(sampling.seed, device)
+    generator = seeded_generator(sampling.seed, device)
     output = _Output(tokenizer, settings, eos_token_ids)
     counters = Counters()
 

@@ -13,7 +13,7 @@ import torch
 
 from .draft_length import make_policy
 from .drafters import DraftModelDrafter, Drafter, NgramDrafter
-from .engine import GenerationSettings, RoundEvent, plain_decode, speculative_decode
+from .engine import GenerationSettings, RoundEvent, plain_decode, seeded_generator, speculative_decode
 from .lm import CachedLM
 from .models import LoadedModel, same_tokenizer
 from .uag import UniversalDrafter
@@ -98,11 +98,8 @@ def check_pair(mode: str, target: LoadedModel, draft: LoadedModel | None) -> Non
 
 
 def _seeded(seed: int | None, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed + 1)  # the drafter's stream is its own, never the target's
-    return generator
+    """The drafter's stream is its own, never the target's: seed + 1."""
+    return seeded_generator(None if seed is None else seed + 1, device)
 
 
 def make_drafter(
