@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .engine import Counters, GenerationSettings, RoundEvent, collect
+from .lm import now
 from .metrics import compare, run_metrics
 from .models import LoadedModel, LoadSettings, ModelLoadError, load_model
 from .offline import OfflinePackError
@@ -110,7 +111,6 @@ def _run_hf(
     settings: GenerationSettings,
     lookup_tokens: int,
 ) -> ModeRun:
-    from .lm import now
 
     kwargs: dict[str, Any] = {}
     if mode == "hf-assisted":
@@ -156,11 +156,15 @@ def run_mode(
         draft = uag_draft
     if mode in HF_MODES:
         return _run_hf(mode, target, draft, prompt_ids, settings, lookup_tokens)
+
+    # wall clock around the whole run, bookkeeping and detokenization included, as for the transformers modes
+    start = now(target.device)
     if mode == "plain":
         final: RoundEvent = collect(plain_events(target, prompt_ids, settings))
     else:
         final = collect(spec_events(target, draft, prompt_ids, settings, SpecSettings(**{**asdict(spec), "mode": mode})))
-    return ModeRun(final.new_token_ids, final.text, final.counters.seconds, final.counters)
+    seconds = now(target.device) - start
+    return ModeRun(final.new_token_ids, final.text, seconds, final.counters)
 
 
 def divergence(reference: Sequence[int], other: Sequence[int]) -> int | None:
@@ -184,29 +188,6 @@ def divergence_margin(target: LoadedModel, prompt_ids: list[int], reference: Seq
 
 # ----------------------------------------------------------------------------------------------------------------
 # aggregation
-
-
-def _sum_counters(items: list[Counters]) -> Counters:
-    total = Counters()
-    for c in items:
-        total.new_tokens += c.new_tokens
-        total.target_passes += c.target_passes
-        total.rounds += c.rounds
-        total.drafted += c.drafted
-        total.accepted += c.accepted
-        total.rejection_rounds += c.rejection_rounds
-        total.prefill_seconds += c.prefill_seconds
-        total.draft_seconds += c.draft_seconds
-        total.verify_seconds += c.verify_seconds
-        total.accepted_lengths.extend(c.accepted_lengths)
-        total.draft_lengths.extend(c.draft_lengths)
-        for position, (d, a) in enumerate(zip(c.drafted_at, c.accepted_at)):
-            while len(total.drafted_at) <= position:
-                total.drafted_at.append(0)
-                total.accepted_at.append(0)
-            total.drafted_at[position] += d
-            total.accepted_at[position] += a
-    return total
 
 
 def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, str], Counters]) -> dict[str, dict]:
@@ -239,13 +220,13 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
         if mode == "plain":
             plain_rate = rate
             entry["mean_accepted_length"] = 1.0
-            plain_counters = _sum_counters(mode_counters) if mode_counters else None
+            plain_counters = Counters.total(mode_counters) if mode_counters else None
         if plain_rate:
             entry["speedup"] = rate / plain_rate
             per_prompt = [r["speedup"] for r in rows if r.get("speedup") is not None]
             entry["per_prompt_speedup_min"] = min(per_prompt) if per_prompt else None
         if mode_counters and mode != "plain":
-            metrics = run_metrics(_sum_counters(mode_counters))
+            metrics = run_metrics(Counters.total(mode_counters))
             entry["acceptance_rate"] = metrics.acceptance_rate
             entry["mean_accepted_length"] = metrics.mean_accepted_length
             entry["alpha"] = metrics.alpha
@@ -253,6 +234,9 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
             if plain_counters is not None:
                 comparison = compare(metrics, run_metrics(plain_counters))
                 entry["expected_speedup"] = comparison.expected_speedup
+                entry["expected_decode_speedup"] = comparison.expected_decode_speedup
+                entry["expected_decode_speedup_iid"] = comparison.expected_decode_speedup_iid
+                entry["conditional_acceptance"] = metrics.conditional_acceptance
                 entry["draft_cost"] = comparison.draft_cost
                 entry["verify_cost"] = comparison.verify_cost
                 if entry["speedup"] and comparison.expected_speedup:
@@ -452,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-head-tokens", type=int, default=None, help="restrict the draft LM head to N frequent ids (0 = full; default auto)")
     parser.add_argument("--draft-int8", choices=["auto", "on", "off"], default="auto", help="draft with an int8 copy of the draft model (auto: on for a CPU draft)")
     parser.add_argument("--ngram-max", type=int, default=4)
-    parser.add_argument("--ngram-min", type=int, default=2)
+    parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)

@@ -72,6 +72,7 @@ class Counters:
     draft_lengths: list[int] = field(default_factory=list)  # tokens drafted in each verification round
     drafted_at: list[int] = field(default_factory=list)  # per draft position: how often a token was drafted there
     accepted_at: list[int] = field(default_factory=list)  # ... and accepted there
+    tested_at: list[int] = field(default_factory=list)  # ... and checked there (every earlier one accepted)
 
     def snapshot(self) -> "Counters":
         """A copy that later rounds do not change."""
@@ -81,6 +82,7 @@ class Counters:
             draft_lengths=list(self.draft_lengths),
             drafted_at=list(self.drafted_at),
             accepted_at=list(self.accepted_at),
+            tested_at=list(self.tested_at),
         )
 
     @property
@@ -99,10 +101,31 @@ class Counters:
         while len(self.drafted_at) < drafted:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
+            self.tested_at.append(0)
         for position in range(drafted):
             self.drafted_at[position] += 1
+            if position <= accepted:
+                self.tested_at[position] += 1
             if position < accepted:
                 self.accepted_at[position] += 1
+
+    @classmethod
+    def total(cls, runs: Sequence["Counters"]) -> "Counters":
+        """The counters of several runs added up, as if they were one run."""
+        total = cls()
+        for run in runs:
+            for name in ("new_tokens", "target_passes", "rounds", "drafted", "accepted", "rejection_rounds"):
+                setattr(total, name, getattr(total, name) + getattr(run, name))
+            for name in ("prefill_seconds", "draft_seconds", "verify_seconds"):
+                setattr(total, name, getattr(total, name) + getattr(run, name))
+            total.accepted_lengths.extend(run.accepted_lengths)
+            total.draft_lengths.extend(run.draft_lengths)
+            for name in ("drafted_at", "accepted_at", "tested_at"):
+                mine, theirs = getattr(total, name), getattr(run, name)
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for position, count in enumerate(theirs):
+                    mine[position] += count
+        return total
 
 
 @dataclass

@@ -2,21 +2,33 @@
 
 Definitions (README, "Reading the figures"):
 - acceptance rate = accepted draft tokens / drafted tokens;
-- per-token acceptance alpha = accepted / (accepted + rounds with a rejection): the estimate of the probability
-  that one draft token is accepted, the alpha of Leviathan et al.;
+- per-token acceptance alpha = accepted / (accepted + rounds with a rejection): the probability that one draft
+  token is accepted if every position behaved alike, the alpha of Leviathan et al.;
+- acceptance by position: how often a token drafted at position j was accepted; conditional acceptance at j: the
+  same among rounds where every earlier position was accepted (so position j was actually checked);
 - mean accepted length = tokens produced per verification pass, bonus/corrected token included (vLLM's
   definition), so plain decoding has 1.0;
-- expected speedup = E / (gamma * c + v) with E = (1 - alpha^(gamma+1)) / (1 - alpha) averaged over the run's
-  rounds (each with its own draft length), gamma the mean draft length, c the draft cost per token and v the
-  verify pass cost, both relative to one plain decoding step measured in the same run. With v = 1 this is Leviathan et al.'s formula; measuring v keeps it honest where a
-  k-token pass costs more than a one-token pass (float32 on a CPU).
+- expected tokens per pass E(k) = 1 + sum over j <= k of the product of the conditional acceptances up to j.
+  With one alpha for every position this is Leviathan et al.'s (1 - alpha^(k+1)) / (1 - alpha); per position it
+  also fits drafters whose tokens stand or fall together (n-gram copies);
+- expected decode speedup = E / (gamma * c + 1) (Leviathan et al.), E averaged over the run's rounds (each with its
+  own draft length k), gamma the mean draft length, c the draft cost per token relative to one plain decoding step
+  measured in the same run, and a verify pass counted as one plain step (the method's premise; the measured
+  verify cost v is reported beside it);
+- expected speedup = the same applied end to end: both sides also pay their measured prompt pass, which the
+  measured speedup includes, so the two are comparable. measured / expected says how close a run came to what the
+  method allows for its acceptance and draft cost.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from .engine import Counters
+from .draft_length import expected_tokens
+
+if TYPE_CHECKING:
+    from .engine import Counters
 
 
 @dataclass(frozen=True)
@@ -32,8 +44,10 @@ class RunMetrics:
     alpha: float | None
     mean_accepted_length: float | None
     mean_draft_length: float | None
-    expected_tokens_per_round: float | None  # E(alpha, k) averaged over the rounds' draft lengths
+    expected_tokens_per_round: float | None  # E(k) from the conditional acceptance, averaged over the rounds
+    expected_tokens_per_round_iid: float | None  # Leviathan's E(alpha, k), averaged over the rounds
     acceptance_by_position: list[float]
+    conditional_acceptance: list[float]
     prefill_seconds: float
     draft_seconds: float
     verify_seconds: float
@@ -49,6 +63,7 @@ def run_metrics(counters: Counters) -> RunMetrics:
     alpha = None
     if drafted:
         alpha = accepted / (accepted + counters.rejection_rounds) if accepted + counters.rejection_rounds else 0.0
+    conditional = [a / t if t else 0.0 for a, t in zip(counters.accepted_at, counters.tested_at)]
     return RunMetrics(
         new_tokens=counters.new_tokens,
         seconds=seconds,
@@ -62,11 +77,17 @@ def run_metrics(counters: Counters) -> RunMetrics:
         mean_accepted_length=sum(counters.accepted_lengths) / rounds if rounds else None,
         mean_draft_length=drafted / rounds if rounds else None,
         expected_tokens_per_round=(
+            sum(expected_tokens(conditional, k) for k in counters.draft_lengths) / len(counters.draft_lengths)
+            if drafted and counters.draft_lengths
+            else None
+        ),
+        expected_tokens_per_round_iid=(
             sum(expected_tokens_per_pass(alpha, k) for k in counters.draft_lengths) / len(counters.draft_lengths)
             if alpha is not None and counters.draft_lengths
             else None
         ),
         acceptance_by_position=[a / d if d else 0.0 for a, d in zip(counters.accepted_at, counters.drafted_at)],
+        conditional_acceptance=conditional,
         prefill_seconds=counters.prefill_seconds,
         draft_seconds=counters.draft_seconds,
         verify_seconds=counters.verify_seconds,
@@ -91,9 +112,11 @@ class Comparison:
 
     speedup: float | None
     draft_cost: float | None  # c: draft seconds per drafted token / plain seconds per step
-    verify_cost: float | None  # v: seconds per verify pass / plain seconds per step
-    expected_speedup: float | None
-    fraction_of_expected: float | None
+    verify_cost: float | None  # v: seconds per verify pass / plain seconds per step (reported, not assumed)
+    expected_decode_speedup: float | None  # E / (gamma c + 1), E from the conditional acceptance
+    expected_decode_speedup_iid: float | None  # the same with Leviathan's single alpha
+    expected_speedup: float | None  # E / (gamma c + 1) end to end: each side's prompt pass included
+    fraction_of_expected: float | None  # speedup / expected_speedup
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -103,12 +126,20 @@ def compare(spec: RunMetrics, plain: RunMetrics) -> Comparison:
     speedup = spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s > 0 and spec.tokens_per_s > 0 else None
     plain_step = plain.verify_seconds / plain.rounds if plain.rounds else None
     if not plain_step or not spec.rounds:
-        return Comparison(speedup, None, None, None, None)
+        return Comparison(speedup, None, None, None, None, None, None)
     verify_cost = (spec.verify_seconds / spec.rounds) / plain_step
     draft_cost = (spec.draft_seconds / spec.drafted) / plain_step if spec.drafted else 0.0
     gamma = spec.mean_draft_length or 0.0
     alpha = spec.alpha if spec.alpha is not None else 0.0
-    tokens_per_round = spec.expected_tokens_per_round or expected_tokens_per_pass(alpha, gamma)
-    expected = tokens_per_round / (gamma * draft_cost + verify_cost)
-    fraction = speedup / expected if speedup is not None and expected > 0 else None
-    return Comparison(speedup, draft_cost, verify_cost, expected, fraction)
+    round_cost = gamma * draft_cost + 1.0
+    tokens_per_round = spec.expected_tokens_per_round or 1.0
+    tokens_per_round_iid = spec.expected_tokens_per_round_iid or expected_tokens_per_pass(alpha, gamma)
+    decode = tokens_per_round / round_cost
+    decode_iid = tokens_per_round_iid / round_cost
+    # end to end: the first token comes from the prompt pass on both sides, the rest from decoding
+    expected_seconds = spec.prefill_seconds + (spec.new_tokens - 1) / tokens_per_round * round_cost * plain_step
+    expected = None
+    if expected_seconds > 0 and plain.tokens_per_s > 0:
+        expected = (spec.new_tokens / expected_seconds) / plain.tokens_per_s
+    fraction = speedup / expected if speedup is not None and expected else None
+    return Comparison(speedup, draft_cost, verify_cost, decode, decode_iid, expected, fraction)

@@ -43,7 +43,7 @@ class SpecSettings:
     head_tokens: int | None = None  # draft LM head restricted to this many frequent ids; None = auto, 0 = full
     confidence_stop: float = 0.0
     draft_int8: bool | None = None  # int8 copy of the draft model; None = on when the draft runs on a CPU
-    ngram_min: int = 2
+    ngram_min: int = 1
     ngram_max: int = 4
 
     def validate(self) -> None:
@@ -143,7 +143,7 @@ def spec_events(
     spec: SpecSettings,
 ) -> Iterator[RoundEvent]:
     drafter = make_drafter(spec, target, draft, settings)
-    policy = make_policy(spec.draft_length, spec.max_draft_length)
+    policy = make_policy(spec.draft_length, spec.max_draft_length, free_drafts=spec.mode == "ngram")
     return speculative_decode(
         CachedLM(target.model), drafter, policy, prompt_ids, settings, target.eos_token_ids, target.tokenizer
     )

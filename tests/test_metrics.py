@@ -2,6 +2,7 @@
 
 import pytest
 
+from specdemo.draft_length import expected_tokens
 from specdemo.engine import Counters
 from specdemo.metrics import compare, expected_speedup, expected_tokens_per_pass, run_metrics
 
@@ -32,9 +33,21 @@ def test_run_metrics_definitions():
     assert metrics.acceptance_by_position == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
     assert metrics.target_passes == 5
     assert metrics.tokens_per_s == pytest.approx(counters.new_tokens / 1.3)
+    # position j checked only when every earlier one was accepted: 2 of 3, 1 of 2, 1 of 1, 1 of 1
+    assert metrics.conditional_acceptance == pytest.approx([2 / 3, 1 / 2, 1.0, 1.0])
+    # with one draft length for every round, the per-position E is the mean accepted length itself
+    assert metrics.expected_tokens_per_round == pytest.approx(metrics.mean_accepted_length)
     alpha = 5 / 7
     per_round = [expected_tokens_per_pass(alpha, k) for k in (4, 4, 4, 0)]
-    assert metrics.expected_tokens_per_round == pytest.approx(sum(per_round) / 4)
+    assert metrics.expected_tokens_per_round_iid == pytest.approx(sum(per_round) / 4)
+
+
+def test_expected_tokens_reduces_to_leviathan():
+    for alpha in (0.0, 0.3, 0.8, 0.99):
+        for k in (0, 1, 4, 9):
+            assert expected_tokens([alpha] * 3, k) == pytest.approx(expected_tokens_per_pass(alpha, k))
+    # all-or-nothing drafts (an n-gram copy): a low first position, then near-certain ones
+    assert expected_tokens([0.5, 0.95, 0.95], 3) == pytest.approx(1 + 0.5 + 0.5 * 0.95 + 0.5 * 0.95**2)
 
 
 def test_compare_against_plain():
@@ -45,5 +58,20 @@ def test_compare_against_plain():
     comparison = compare(run_metrics(spec), run_metrics(plain))
     assert comparison.draft_cost == pytest.approx(0.1)
     assert comparison.verify_cost == pytest.approx(1.0)
-    assert comparison.expected_speedup == pytest.approx(5.0 / 1.4)
+    assert comparison.expected_decode_speedup == pytest.approx(5.0 / 1.4)
+    assert comparison.expected_decode_speedup_iid == pytest.approx(5.0 / 1.4)
+    # end to end: 0.1 s prompt pass + 10 decoded tokens at 5 per round, each round 1.4 plain steps of 0.1 s
+    spec_rate = 11 / (0.1 + 10 / 5 * 1.4 * 0.1)
+    assert comparison.expected_speedup == pytest.approx(spec_rate / (10 / 1.0))
+    assert comparison.fraction_of_expected == pytest.approx(comparison.speedup / comparison.expected_speedup)
     assert comparison.speedup == pytest.approx(run_metrics(spec).tokens_per_s / run_metrics(plain).tokens_per_s)
+
+
+def test_counters_total_adds_runs():
+    a, b = _counters([(4, 4), (2, 0)]), _counters([(3, 1)])
+    a.verify_seconds, b.verify_seconds = 0.5, 0.25
+    total = Counters.total([a, b])
+    assert (total.rounds, total.drafted, total.accepted, total.rejection_rounds) == (3, 9, 5, 2)
+    assert total.verify_seconds == pytest.approx(0.75)
+    assert total.drafted_at == [3, 3, 2, 1] and total.accepted_at == [2, 1, 1, 1] and total.tested_at == [3, 2, 1, 1]
+    assert total.draft_lengths == [4, 2, 3]
