@@ -158,7 +158,7 @@ def int8_copy(model: PreTrainedModel) -> PreTrainedModel | None:
     return quantized
 
 
-def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
     """An int8 dynamically quantised linear layer with these float weights."""
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
@@ -170,6 +170,22 @@ def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Mo
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return quantize_dynamic(torch.nn.Sequential(linear), {"0": per_channel_dynamic_qconfig}, dtype=torch.qint8)
+
+
+_INT8_HEADS: dict[int, tuple[PreTrainedModel, torch.nn.Module]] = {}
+
+
+def int8_head(model: PreTrainedModel) -> torch.nn.Module | None:
+    """An int8 copy of the model's whole LM head (made once per model and process), or None if it is no Linear."""
+    cached = _INT8_HEADS.get(id(model))
+    if cached is not None and cached[0] is model:
+        return cached[1]
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        return None
+    quantized = int8_linear(head.weight.detach(), head.bias)
+    _INT8_HEADS[id(model)] = (model, quantized)
+    return quantized
 
 
 def _auto_head_tokens(vocab_size: int) -> int:
@@ -250,7 +266,7 @@ class DraftModelDrafter:
                 weight = self._head_weight.index_select(0, self._sub_ids)
                 bias = None if self._head_bias is None else self._head_bias.index_select(0, self._sub_ids)
             if self.int8:
-                self._sub_head = _int8_linear(weight, bias)
+                self._sub_head = int8_linear(weight, bias)
             else:
                 self._sub_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
                 self._sub_head.weight = torch.nn.Parameter(weight, requires_grad=False)

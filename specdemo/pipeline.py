@@ -118,6 +118,8 @@ def make_drafter(
             settings.sampling,
             draft_eos_ids=draft.eos_token_ids,
             generator=_seeded(settings.sampling.seed, draft.device),
+            target_vocab_size=target.model.get_output_embeddings().weight.shape[0],
+            int8=spec.draft_int8,
         )
     return DraftModelDrafter(
         draft.model,

@@ -5,20 +5,26 @@ tokenizer behind a short anchor of recent draft tokens (so a token that spans th
 draft cache is cropped at the first changed token (never rebuilt from the start), the draft writes k tokens in its
 own vocabulary, and its text is encoded back into target tokens behind an anchor of recent target tokens.
 
-Verification treats the result as a point mass (like n-gram lookup): the draft's probabilities are over another
-vocabulary, so they are not used, and rejection sampling with a point mass keeps sampled output exact. Greedy
-output is exactly the target's, as in every mode.
+Greedy decoding verifies the re-encoded draft as a point mass (as for n-gram lookup): output is exactly the
+target's, as in every mode. Sampling drafts from the tokens the two vocabularies share (vocabulary intersection,
+Timor et al. 2025): the draft's distribution is restricted to tokens whose bytes are the same in both tokenizers,
+each sampled draft token is one target token, and its probability moves with it, so ordinary rejection sampling
+keeps the output's distribution exactly the target's. Where the vocabularies share too little (or a tokenizer's
+pieces cannot be read as bytes), sampling falls back to text drafts verified as a point mass, also exact.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import re
 from typing import Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .drafters import Proposal
+from .drafters import Proposal, int8_copy, int8_head
 from .lm import CachedLM
 from .sampling import SamplingSettings, target_distribution
 
@@ -26,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 _REPLACEMENT = "\ufffd"
 ANCHOR_SIZES = (4, 8, 16)
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+#: vocabulary intersection is used for sampling when it covers at least this share of the draft's vocabulary
+MIN_SHARED_FRACTION = 0.25
 
 
 def _decode(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
@@ -82,6 +91,67 @@ def to_target_tokens(
     return []
 
 
+@functools.lru_cache(maxsize=16)
+def token_bytes(tokenizer: PreTrainedTokenizerBase) -> dict[int, bytes]:
+    """The bytes each ordinary token stands for (special and added tokens left out).
+
+    Byte-level BPE pieces (``Ġ`` for a space, ``Ċ`` for a newline) go through the GPT-2 byte table; SentencePiece
+    pieces turn ``▁`` into a space and byte-fallback pieces ``<0xNN>`` into their byte. Other tokenizers (WordPiece,
+    slow Python tokenizers) give an empty map: their pieces do not carry their bytes.
+    """
+    try:
+        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    except (AttributeError, ValueError):
+        return {}
+    kinds = {decoder.get("type")} | {part.get("type") for part in decoder.get("decoders", [])}
+    skip = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    if "ByteLevel" in kinds:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        table = {char: byte for byte, char in bytes_to_unicode().items()}
+
+        def as_bytes(piece: str) -> bytes | None:
+            if not all(char in table for char in piece):
+                return None
+            return bytes(table[char] for char in piece)
+
+    elif kinds & {"Metaspace", "Replace", "ByteFallback"}:
+
+        def as_bytes(piece: str) -> bytes | None:
+            byte = _BYTE_PIECE.fullmatch(piece)
+            return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode("utf-8")
+
+    else:
+        return {}
+    result: dict[int, bytes] = {}
+    for piece, token_id in tokenizer.get_vocab().items():
+        if token_id in skip:
+            continue
+        value = as_bytes(piece)
+        if value:
+            result[token_id] = value
+    return result
+
+
+@functools.lru_cache(maxsize=16)
+def shared_vocabulary(
+    draft_tokenizer: PreTrainedTokenizerBase, target_tokenizer: PreTrainedTokenizerBase
+) -> dict[int, int]:
+    """Draft token id -> target token id for every token whose bytes both vocabularies have.
+
+    Where the target has two ids for the same bytes (a byte-fallback piece and an ordinary one), the lower id wins,
+    so the map is a function; several draft ids may map to one target id (their probabilities then add up).
+    """
+    by_bytes: dict[bytes, int] = {}
+    for token_id, value in sorted(token_bytes(target_tokenizer).items()):
+        by_bytes.setdefault(value, token_id)
+    return {
+        draft_id: by_bytes[value]
+        for draft_id, value in token_bytes(draft_tokenizer).items()
+        if value in by_bytes
+    }
+
+
 class UniversalDrafter:
     """Drafts with a model whose tokenizer differs from the target's (mode ``uag``)."""
 
@@ -95,14 +165,48 @@ class UniversalDrafter:
         sampling: SamplingSettings,
         draft_eos_ids: Sequence[int] = (),
         generator: torch.Generator | None = None,
+        target_vocab_size: int | None = None,
+        intersection: bool | None = None,
+        int8: bool | None = None,
     ) -> None:
+        """``intersection``: sample from the shared vocabulary (None: when sampling and enough tokens are shared).
+
+        ``int8``: draft with an int8 copy of the model, LM head included (None: on for a CPU draft); only the draft
+        is quantised, so the output stays the target's.
+        """
+        if int8 is None:
+            int8 = next(model.parameters()).device.type == "cpu"
+        quantized = int8_copy(model) if int8 else None
+        self._head = int8_head(model) if quantized is not None else None
+        if self._head is not None:
+            model = quantized
         self.lm = CachedLM(model)
         self.draft_tokenizer = draft_tokenizer
         self.target_tokenizer = target_tokenizer
         self.sampling = sampling
         self.draft_eos_ids = set(draft_eos_ids)
         self.generator = generator
+        self.shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (allowed draft ids mask, draft -> target id)
+        self.target_vocab_size = target_vocab_size or len(target_tokenizer)
+        if intersection is not False and not sampling.greedy:
+            self.shared = self._shared_tensors(model, intersection is True)
         self.start(())
+
+    def _shared_tensors(self, model: PreTrainedModel, required: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        mapping = shared_vocabulary(self.draft_tokenizer, self.target_tokenizer)
+        ordinary = max(1, len(token_bytes(self.draft_tokenizer)))
+        if not mapping or (not required and len(mapping) < MIN_SHARED_FRACTION * ordinary):
+            logger.info("uag: vocabularies share %d tokens; sampling verifies text drafts as a point mass", len(mapping))
+            return None
+        draft_vocab = model.get_output_embeddings().weight.shape[0]
+        allowed = torch.zeros(draft_vocab, dtype=torch.bool, device=self.lm.device)
+        to_target = torch.zeros(draft_vocab, dtype=torch.long, device=self.lm.device)
+        for draft_id, target_id in mapping.items():
+            if draft_id < draft_vocab and target_id < self.target_vocab_size:
+                allowed[draft_id] = True
+                to_target[draft_id] = target_id
+        logger.info("uag: sampling from the %d tokens both vocabularies share", int(allowed.sum()))
+        return allowed, to_target
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         self.lm.reset()
@@ -147,15 +251,24 @@ class UniversalDrafter:
         return torch.tensor(fresh, dtype=torch.long, device=self.lm.device)
 
     # -- drafting -------------------------------------------------------------------------------------------------
+    def _next_logits(self, feed: torch.Tensor) -> torch.Tensor:
+        """The draft's logits after ``feed`` (through the int8 head when the draft is quantised)."""
+        if self._head is None:
+            return self.lm.forward(feed, all_logits=False)[-1]
+        hidden = self.lm.hidden_states(feed)[-1]
+        return self._head(hidden.unsqueeze(0))[0]
+
     @torch.inference_mode()
     def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
         if max_tokens <= 0 or not self._sync_text(context) or not self.stream:
             return Proposal()
         feed = self._sync_cache()
+        if self.shared is not None:
+            return self._propose_shared(feed, max_tokens)
         drafted: list[int] = []
         # draft tokens rarely map one to one; a few extra draft tokens give about max_tokens target tokens
         for step in range(max_tokens + 1):
-            logits = self.lm.forward(feed, all_logits=False)[-1]
+            logits = self._next_logits(feed)
             if self.sampling.greedy:
                 token = int(logits.argmax().item())
             else:
@@ -176,6 +289,27 @@ class UniversalDrafter:
         if not ended and len(tokens) > 1:
             tokens = tokens[:-1]  # the last piece may be a word cut short: the target would merge it further
         return Proposal(tokens[:max_tokens], None)
+
+    def _propose_shared(self, feed: torch.Tensor, max_tokens: int) -> Proposal:
+        """Sample k draft tokens from the shared vocabulary; each is one target token, with its probability row."""
+        assert self.shared is not None
+        allowed, to_target = self.shared
+        target_ids: list[int] = []
+        rows: list[torch.Tensor] = []
+        for step in range(max_tokens):
+            logits = self._next_logits(feed)
+            draft_probs = target_distribution(logits.float().masked_fill(~allowed, float("-inf")), self.sampling)
+            token = int(torch.multinomial(draft_probs, 1, generator=self.generator).item())
+            target_ids.append(int(to_target[token]))
+            rows.append(draft_probs)
+            if step == max_tokens - 1:
+                break
+            feed = torch.tensor([token], dtype=torch.long, device=self.lm.device)
+            self._cached.append(token)
+        stacked = torch.stack(rows)
+        in_target = torch.zeros(len(rows), self.target_vocab_size, dtype=stacked.dtype, device=stacked.device)
+        in_target.index_add_(1, to_target[allowed], stacked[:, allowed])
+        return Proposal(target_ids, in_target)
 
     def feedback(self, num_drafted: int, num_accepted: int) -> None:
         pass

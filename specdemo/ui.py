@@ -619,8 +619,9 @@ def figures_html(state: RaceState | None) -> str:
     comparison = state.comparison if state.plain.counters.rounds else None
     if comparison is not None and comparison.expected_speedup is not None:
         detail = (
-            f"α {spec.alpha or 0:.2f}, γ {spec.mean_draft_length or 0:.1f}, "
-            f"c {comparison.draft_cost or 0:.2f}, v {comparison.verify_cost or 0:.2f}"
+            f"E {spec.expected_tokens_per_round or 1:.2f} tokens/pass, α {spec.alpha or 0:.2f}, "
+            f"γ {spec.mean_draft_length or 0:.1f}, c {comparison.draft_cost or 0:.2f}, "
+            f"v {comparison.verify_cost or 0:.2f}"
         )
         if state.done and comparison.fraction_of_expected is not None:
             detail += f"; measured {comparison.fraction_of_expected:.0%} of it"

@@ -14,10 +14,7 @@ from specdemo import ui  # noqa: E402
 PROMPT = "hello world the cat sat on the mat"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with tiny_app.one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("one_torch_thread")]
 
 CHROMIUM = os.environ.get("SPECDEMO_CHROMIUM", "/usr/bin/chromium")
 ARGS = [
@@ -32,10 +32,6 @@ from specdemo import ui  # noqa: E402
 PROMPT = "hello world the cat sat on the mat"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with tiny_app.one_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,14 @@ from specdemo.draft_length import FixedDraftLength, make_policy
 from specdemo.engine import GenerationSettings, collect, plain_decode, speculative_decode
 from specdemo.lm import CachedLM
 from specdemo.sampling import SamplingSettings
-from specdemo.uag import UniversalDrafter, reencode_after, text_after, to_target_tokens
+from specdemo.uag import (
+    UniversalDrafter,
+    reencode_after,
+    shared_vocabulary,
+    text_after,
+    to_target_tokens,
+    token_bytes,
+)
 
 from test_sampling import _chi_square_p
 from test_detok import TRICKY, build_byte_level, build_sentencepiece_byte_fallback, build_metaspace
@@ -83,8 +90,8 @@ def test_eos_inside_a_draft_and_a_useful_draft():
     assert final.counters.accepted > 0
 
 
-def test_sampling_stays_exact_with_point_mass_verification():
-    """The uag drafter proposes a point mass: sampled output follows the target (chi-square on the first 2 tokens)."""
+def _first_two_tokens_check(intersection: bool) -> None:
+    """Sampled output follows the target: chi-square on the distribution of the first two new tokens."""
     byte_level, sentencepiece = tokenizers_pair()
     target, draft = _models(byte_level, sentencepiece)
     prompt = byte_level("def add(a, b):")["input_ids"]
@@ -98,13 +105,93 @@ def test_sampling_stays_exact_with_point_mass_verification():
     exact = {(a, b): float(first[a] * second[a][b]) for a in support for b in torch.nonzero(second[a]).flatten().tolist()}
     counts: dict = {}
     trials = 600
+    drafted = 0
     for seed in range(trials):
         settings = GenerationSettings(3, SamplingSettings(1.0, 3, 1.0, seed), collect_probs=False)
-        drafter = UniversalDrafter(draft, sentencepiece, byte_level, settings.sampling, [], torch.Generator().manual_seed(seed))
-        ids = collect(speculative_decode(CachedLM(target), drafter, FixedDraftLength(3), prompt, settings)).new_token_ids
+        drafter = UniversalDrafter(
+            draft, sentencepiece, byte_level, settings.sampling, [], torch.Generator().manual_seed(seed),
+            target_vocab_size=len(byte_level), intersection=intersection,
+        )
+        assert (drafter.shared is not None) == intersection
+        final = collect(speculative_decode(CachedLM(target), drafter, FixedDraftLength(3), prompt, settings))
+        drafted += final.counters.drafted
+        ids = final.new_token_ids
         counts[(ids[0], ids[1])] = counts.get((ids[0], ids[1]), 0) + 1
+    assert drafted > trials // 4  # drafts were made and verified, not skipped
     assert set(counts) <= set(exact)
     assert _chi_square_p(counts, exact, trials) > 1e-3
+
+
+def test_sampling_stays_exact_with_point_mass_verification():
+    _first_two_tokens_check(intersection=False)
+
+
+def test_sampling_stays_exact_with_the_shared_vocabulary():
+    _first_two_tokens_check(intersection=True)
+
+
+def test_shared_vocabulary_matches_tokens_by_their_bytes():
+    byte_level, sentencepiece = tokenizers_pair()
+    mapping = shared_vocabulary(sentencepiece, byte_level)
+    assert mapping
+    special = set(sentencepiece.all_special_ids) | set(byte_level.all_special_ids)
+    draft_bytes, target_bytes = token_bytes(sentencepiece), token_bytes(byte_level)
+    for draft_id, target_id in mapping.items():
+        assert draft_id not in special and target_id not in special
+        assert draft_bytes[draft_id] == target_bytes[target_id]
+    # space-led pieces are the same tokens in both conventions (Ġ and ▁)
+    space_led = [
+        (sentencepiece.convert_ids_to_tokens(d), byte_level.convert_ids_to_tokens(t))
+        for d, t in mapping.items()
+        if draft_bytes[d].startswith(b" ") and len(draft_bytes[d]) > 1
+    ]
+    assert space_led and all(a.startswith("\u2581") and b.startswith("\u0120") for a, b in space_led)
+    # a byte-fallback piece stands for its byte
+    newline = sentencepiece.convert_tokens_to_ids("<0x0A>")
+    assert draft_bytes[newline] == b"\n"
+
+
+def test_shared_draft_tokens_follow_the_probabilities_they_report():
+    """Rejection sampling is exact for any draft distribution (test_sampling), provided each draft token is drawn
+    from the row it reports: chi-square of the first proposed token against the reported row, in target ids."""
+    byte_level, sentencepiece = tokenizers_pair()
+    _, draft = _models(byte_level, sentencepiece)
+    sampling = SamplingSettings(temperature=0.1, top_k=5)  # a random tiny model is nearly flat: sharpen it
+    prompt = byte_level("def add(a, b):")["input_ids"]
+    counts: dict = {}
+    reported = None
+    trials = 500
+    for seed in range(trials):
+        drafter = UniversalDrafter(draft, sentencepiece, byte_level, sampling, [], torch.Generator().manual_seed(seed),
+                                   target_vocab_size=len(byte_level), intersection=True)
+        drafter.start(prompt)
+        proposal = drafter.propose(prompt, 1)
+        row = proposal.draft_probs[0]
+        if reported is None:
+            reported = row
+        assert torch.allclose(row, reported)
+        counts[proposal.tokens[0]] = counts.get(proposal.tokens[0], 0) + 1
+    expected = {int(t): float(reported[t]) for t in torch.nonzero(reported).flatten()}
+    assert len(expected) > 1
+    assert _chi_square_p(counts, expected, trials) > 1e-3
+
+
+def test_a_shared_draft_proposes_target_tokens_with_their_probabilities():
+    byte_level, sentencepiece = tokenizers_pair()
+    target, draft = _models(byte_level, sentencepiece)
+    sampling = SamplingSettings(temperature=1.0)
+    drafter = UniversalDrafter(draft, sentencepiece, byte_level, sampling, [], torch.Generator().manual_seed(0),
+                               target_vocab_size=len(byte_level), intersection=True)
+    prompt = byte_level("def add(a, b):")["input_ids"]
+    drafter.start(prompt)
+    proposal = drafter.propose(prompt, 4)
+    assert len(proposal.tokens) == 4 and proposal.draft_probs is not None
+    assert proposal.draft_probs.shape == (4, len(byte_level))
+    assert torch.allclose(proposal.draft_probs.sum(dim=1), torch.ones(4))
+    shared_targets = set(shared_vocabulary(sentencepiece, byte_level).values())
+    for row, token in zip(proposal.draft_probs, proposal.tokens):
+        assert row[token] > 0
+        assert set(torch.nonzero(row).flatten().tolist()) <= shared_targets
 
 
 # --- the seams, on hand-made streams ---------------------------------------------------------------------------

@@ -20,10 +20,7 @@ SPAN = re.compile(r'<span class="tok tok-(\w+)" title="([^"]*)">(.*?)</span>', r
 PROMPT = "hello world the cat sat on the mat"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with tiny_app.one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run(handlers: ui.Handlers, prompt: str = PROMPT, **overrides) -> list[dict]:
