@@ -437,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-int8", choices=["auto", "on", "off"], default="auto", help="draft with an int8 copy of the draft model (auto: on for a CPU draft)")
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument(
+        "--ngram-prefer", choices=["recent", "first"], default="recent",
+        help="which earlier occurrence an n-gram draft copies (transformers' prompt lookup takes the first)",
+    )
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -492,6 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             head_tokens=args.draft_head_tokens,
             draft_int8={"auto": None, "on": True, "off": False}[args.draft_int8],
             ngram_min=args.ngram_min,
+            ngram_prefer=args.ngram_prefer,
             ngram_max=args.ngram_max,
         )
         spec.validate()

@@ -44,27 +44,35 @@ class Drafter(Protocol):
 # n-gram (prompt lookup)
 
 
-class NgramIndex:
-    """Maps every n-gram (min_n..max_n) of a growing token sequence to the ends of its two latest occurrences.
+NGRAM_PREFERENCES = ("recent", "first")
 
-    Only occurrences followed by at least one token are indexed, so a lookup of the sequence's own suffix finds an
-    earlier occurrence with a continuation. The most recent occurrence is preferred; the one before it is used when
-    the latest leaves too short a continuation (it overlaps the suffix, as in a repeated pattern). Updating is
-    incremental: each new position is indexed once.
+
+class NgramIndex:
+    """Maps every n-gram (min_n..max_n) of a growing token sequence to the ends of its occurrences.
+
+    For each n-gram it keeps the end of its first occurrence and of its two latest ones; only occurrences followed by
+    at least one token are indexed, so a lookup of the sequence's own suffix finds an earlier occurrence with a
+    continuation. ``prefer="recent"`` proposes what followed the most recent occurrence (the one before it when the
+    latest leaves too short a continuation, as in a repeated pattern); ``prefer="first"`` what followed the first
+    one (transformers' prompt lookup does this; when the output is an edited copy of the prompt, the prompt's own
+    occurrence tends to be the right one). Updating is incremental: each new position is indexed once.
     """
 
-    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4, prefer: str = "recent") -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        if prefer not in NGRAM_PREFERENCES:
+            raise ValueError(f"n-gram preference must be one of {', '.join(NGRAM_PREFERENCES)}, got {prefer!r}")
         self.min_n = min_n
         self.max_n = max_n
+        self.prefer = prefer
         self.tokens: list[int] = []
-        self._last_end: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (previous end, latest end)
+        self._ends: dict[tuple[int, ...], tuple[int, int, int]] = {}  # n-gram -> (first, previous, latest) end
         self._indexed_ends = 0  # ends 0.._indexed_ends-1 are in the table
 
     def reset(self) -> None:
         self.tokens = []
-        self._last_end = {}
+        self._ends = {}
         self._indexed_ends = 0
 
     def extend(self, context: Sequence[int]) -> None:
@@ -78,22 +86,26 @@ class NgramIndex:
         for end in range(self._indexed_ends, len(tokens) - 1):
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
                 key = tuple(tokens[end - n + 1 : end + 1])
-                self._last_end[key] = (self._last_end.get(key, (-1, -1))[1], end)
+                seen = self._ends.get(key)
+                self._ends[key] = (end, -1, end) if seen is None else (seen[0], seen[2], end)
         self._indexed_ends = max(self._indexed_ends, len(tokens) - 1)
 
     def lookup(self, max_tokens: int) -> list[int]:
-        """Continuation of the longest suffix n-gram that occurred before (most recent occurrence)."""
+        """Continuation of the longest suffix n-gram that occurred before (see the class for which occurrence)."""
         tokens = self.tokens
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            ends = self._last_end.get(tuple(tokens[len(tokens) - n :]))
-            if ends is not None:
-                previous, latest = ends
-                continuation = tokens[latest + 1 : latest + 1 + max_tokens]
-                if len(continuation) < max_tokens and previous >= 0:
-                    earlier = tokens[previous + 1 : previous + 1 + max_tokens]
-                    if len(earlier) > len(continuation):
-                        return earlier
-                return continuation
+            ends = self._ends.get(tuple(tokens[len(tokens) - n :]))
+            if ends is None:
+                continue
+            first, previous, latest = ends
+            if self.prefer == "first":
+                return tokens[first + 1 : first + 1 + max_tokens]
+            continuation = tokens[latest + 1 : latest + 1 + max_tokens]
+            if len(continuation) < max_tokens and previous >= 0:
+                earlier = tokens[previous + 1 : previous + 1 + max_tokens]
+                if len(earlier) > len(continuation):
+                    return earlier
+            return continuation
         return []
 
 
@@ -102,8 +114,8 @@ class NgramDrafter:
 
     name = "ngram"
 
-    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
-        self.index = NgramIndex(min_n, max_n)
+    def __init__(self, min_n: int = 1, max_n: int = 4, prefer: str = "recent") -> None:
+        self.index = NgramIndex(min_n, max_n, prefer)
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         self.index.reset()

@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 
 from .draft_length import make_policy
-from .drafters import DraftModelDrafter, Drafter, NgramDrafter
+from .drafters import NGRAM_PREFERENCES, DraftModelDrafter, Drafter, NgramDrafter
 from .engine import GenerationSettings, RoundEvent, plain_decode, seeded_generator, speculative_decode
 from .lm import CachedLM
 from .models import LoadedModel, same_tokenizer
@@ -42,9 +42,10 @@ class SpecSettings:
     max_draft_length: int = 12
     head_tokens: int | None = None  # draft LM head restricted to this many frequent ids; None = auto, 0 = full
     confidence_stop: float = 0.0
-    draft_int8: bool | None = None  # int8 copy of the draft model; None = on when the draft runs on a CPU
+    draft_int8: bool | None = None  # int8 draft copy; None = on for a CPU draft in draft mode (uag: only when True)
     ngram_min: int = 1
     ngram_max: int = 4
+    ngram_prefer: str = "recent"  # which earlier occurrence an n-gram draft copies: "recent" or "first"
 
     def validate(self) -> None:
         if self.mode not in SPEC_MODES:
@@ -52,6 +53,8 @@ class SpecSettings:
         make_policy(self.draft_length, self.max_draft_length)
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InputError(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
+        if self.ngram_prefer not in NGRAM_PREFERENCES:
+            raise InputError(f"n-gram preference must be one of: {', '.join(NGRAM_PREFERENCES)}")
 
 
 def encode_prompt(target: LoadedModel, text: str, chat: bool = True) -> list[int]:
@@ -108,7 +111,7 @@ def make_drafter(
     spec.validate()
     check_pair(spec.mode, target, draft)
     if spec.mode == "ngram":
-        return NgramDrafter(spec.ngram_min, spec.ngram_max)
+        return NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_prefer)
     assert draft is not None
     if spec.mode == "uag":
         return UniversalDrafter(
@@ -119,7 +122,7 @@ def make_drafter(
             draft_eos_ids=draft.eos_token_ids,
             generator=_seeded(settings.sampling.seed, draft.device),
             target_vocab_size=target.model.get_output_embeddings().weight.shape[0],
-            int8=spec.draft_int8,
+            int8=bool(spec.draft_int8),  # opt-in for uag: its measured figures are for the draft's own dtype
         )
     return DraftModelDrafter(
         draft.model,

@@ -17,6 +17,23 @@ def test_most_recent_occurrence_is_preferred():
     assert index.lookup(1) == [2]
 
 
+def test_first_occurrence_when_asked():
+    index = NgramIndex(1, 2, prefer="first")
+    index.extend([7, 8, 1, 7, 8, 2, 7, 8])
+    assert index.lookup(2) == [1, 7]
+    growing = NgramIndex(1, 2, prefer="first")
+    for end in range(1, 9):
+        growing.extend([7, 8, 1, 7, 8, 2, 7, 8][:end])
+    assert growing.lookup(2) == [1, 7]
+
+
+def test_an_unknown_preference_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="recent, first"):
+        NgramIndex(1, 2, prefer="best")
+
+
 def test_falls_back_to_shorter_ngrams_and_to_nothing():
     index = NgramIndex(1, 3)
     index.extend([5, 6, 7, 1, 2, 7])
@@ -42,7 +59,7 @@ def test_incremental_updates_equal_a_fresh_index():
         fresh = NgramIndex(1, 4)
         fresh.extend(tokens[:end])
         assert growing.lookup(5) == fresh.lookup(5)
-        assert growing._last_end == fresh._last_end
+        assert growing._ends == fresh._ends
 
 
 def test_a_different_sequence_resets_the_index():
