@@ -169,3 +169,25 @@ def test_policies():
         k = cheap.next_length()
         cheap.update(k, k, 0.001 * k, 0.1 + 0.001 * k)  # cheap drafts, all accepted
     assert cheap.next_length() >= 8
+
+
+def test_adaptive_policy_goes_long_for_free_all_or_nothing_drafts():
+    """N-gram-like drafts: free to make, accepted whole or rejected at the first token; verify cost flat in k."""
+    policy = make_policy("adaptive", 12, free_drafts=True)
+    assert policy.next_length() == 12
+    for round_index in range(30):
+        k = policy.next_length()
+        accepted = k if round_index % 2 else 0
+        policy.update(k, accepted, 1e-6 * k, 0.1)
+    assert policy.next_length() >= 10
+    acceptance = policy.acceptance_at()
+    assert acceptance[0] < 0.7 and min(acceptance[1:6]) > 0.8  # the first position decides, the rest follow
+
+
+def test_verify_cost_fit_shrugs_off_one_noisy_length():
+    policy = CostAwareDraftLength()
+    for length, seconds in [(1, 0.10), (3, 0.10), (5, 0.10), (7, 0.30), (9, 0.10), (13, 0.11)]:
+        for _ in range(3):
+            policy.update(length - 1, 0, 0.0, seconds)
+    assert policy._verify_cost(1) == pytest.approx(0.10)
+    assert policy._verify_cost(11) < 0.16  # one slow measurement at 7 does not make every long pass look dear
