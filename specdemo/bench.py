@@ -111,7 +111,6 @@ def _run_hf(
     settings: GenerationSettings,
     lookup_tokens: int,
 ) -> ModeRun:
-
     kwargs: dict[str, Any] = {}
     if mode == "hf-assisted":
         if draft is None:

@@ -114,9 +114,10 @@ class Counters:
         """The counters of several runs added up, as if they were one run."""
         total = cls()
         for run in runs:
-            for name in ("new_tokens", "target_passes", "rounds", "drafted", "accepted", "rejection_rounds"):
-                setattr(total, name, getattr(total, name) + getattr(run, name))
-            for name in ("prefill_seconds", "draft_seconds", "verify_seconds"):
+            for name in (
+                "new_tokens", "target_passes", "rounds", "drafted", "accepted", "rejection_rounds",
+                "prefill_seconds", "draft_seconds", "verify_seconds",
+            ):
                 setattr(total, name, getattr(total, name) + getattr(run, name))
             total.accepted_lengths.extend(run.accepted_lengths)
             total.draft_lengths.extend(run.draft_lengths)
