@@ -126,7 +126,7 @@ class CostAwareDraftLength:
             return known[1] if 1 in known else min(known.values())  # not measured yet: no cheaper than any verify
         points = [(n, t, self._verify_samples[n]) for n, t in known.items() if n >= 2]
         if not points:
-            return known.get(1, 0.0) or min(known.values())
+            return known[1]  # only a plain step measured so far: assume verification costs as much
         weight = sum(w for _, _, w in points)
         mean_n = sum(n * w for n, _, w in points) / weight
         mean_t = sum(t * w for _, t, w in points) / weight

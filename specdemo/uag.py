@@ -199,12 +199,13 @@ class UniversalDrafter:
             logger.info("uag: vocabularies share %d tokens; sampling verifies text drafts as a point mass", len(mapping))
             return None
         draft_vocab = model.get_output_embeddings().weight.shape[0]
+        draft_ids = torch.tensor(list(mapping.keys()), dtype=torch.long, device=self.lm.device)
+        target_ids = torch.tensor(list(mapping.values()), dtype=torch.long, device=self.lm.device)
+        usable = (draft_ids < draft_vocab) & (target_ids < self.target_vocab_size)
         allowed = torch.zeros(draft_vocab, dtype=torch.bool, device=self.lm.device)
         to_target = torch.zeros(draft_vocab, dtype=torch.long, device=self.lm.device)
-        for draft_id, target_id in mapping.items():
-            if draft_id < draft_vocab and target_id < self.target_vocab_size:
-                allowed[draft_id] = True
-                to_target[draft_id] = target_id
+        allowed[draft_ids[usable]] = True
+        to_target[draft_ids[usable]] = target_ids[usable]
         logger.info("uag: sampling from the %d tokens both vocabularies share", int(allowed.sum()))
         return allowed, to_target
 
