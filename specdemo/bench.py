@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .drafters import NGRAM_PREFERENCES
 from .engine import Counters, GenerationSettings, RoundEvent, collect
 from .lm import now
 from .metrics import compare, run_metrics
@@ -437,8 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument(
-        "--ngram-prefer", choices=["recent", "first"], default="recent",
-        help="which earlier occurrence an n-gram draft copies (transformers' prompt lookup takes the first)",
+        "--ngram-prefer", choices=list(NGRAM_PREFERENCES), default="follow",
+        help="which earlier occurrence an n-gram draft copies: follow (continue the last accepted copy, else the "
+        "most recent), recent, or first (as transformers' prompt lookup)",
     )
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

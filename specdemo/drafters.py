@@ -6,6 +6,7 @@ and :meth:`Drafter.feedback` (update the strategy). :meth:`Drafter.start` begins
 
 from __future__ import annotations
 
+import bisect
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -44,21 +45,26 @@ class Drafter(Protocol):
 # n-gram (prompt lookup)
 
 
-NGRAM_PREFERENCES = ("recent", "first")
+NGRAM_PREFERENCES = ("follow", "recent", "first")
 
 
 class NgramIndex:
-    """Maps every n-gram (min_n..max_n) of a growing token sequence to the ends of its occurrences.
+    """Maps every n-gram (min_n..max_n) of a growing token sequence to the ends of all its occurrences.
 
-    For each n-gram it keeps the end of its first occurrence and of its two latest ones; only occurrences followed by
-    at least one token are indexed, so a lookup of the sequence's own suffix finds an earlier occurrence with a
-    continuation. ``prefer="recent"`` proposes what followed the most recent occurrence (the one before it when the
-    latest leaves too short a continuation, as in a repeated pattern); ``prefer="first"`` what followed the first
-    one (transformers' prompt lookup does this; when the output is an edited copy of the prompt, the prompt's own
-    occurrence tends to be the right one). Updating is incremental: each new position is indexed once.
+    Only occurrences followed by at least one token are indexed, so a lookup of the sequence's own suffix finds an
+    earlier occurrence with a continuation. Which occurrence of the longest matching suffix is copied:
+
+    - ``"recent"``: the most recent one (the one before it when the latest leaves too short a continuation, as in a
+      repeated pattern);
+    - ``"first"``: the first one (transformers' prompt lookup does this);
+    - ``"follow"``: the first one at or after ``follow_from`` (the source position where the last accepted copy
+      ended, so an output that copies the prompt in order with edits keeps copying from the right place), and the
+      most recent one when there is none or no copy was accepted yet.
+
+    Updating is incremental: each new position is indexed once.
     """
 
-    def __init__(self, min_n: int = 1, max_n: int = 4, prefer: str = "recent") -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4, prefer: str = "follow") -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         if prefer not in NGRAM_PREFERENCES:
@@ -67,7 +73,7 @@ class NgramIndex:
         self.max_n = max_n
         self.prefer = prefer
         self.tokens: list[int] = []
-        self._ends: dict[tuple[int, ...], tuple[int, int, int]] = {}  # n-gram -> (first, previous, latest) end
+        self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> ends of its occurrences, ascending
         self._indexed_ends = 0  # ends 0.._indexed_ends-1 are in the table
 
     def reset(self) -> None:
@@ -75,38 +81,50 @@ class NgramIndex:
         self._ends = {}
         self._indexed_ends = 0
 
-    def extend(self, context: Sequence[int]) -> None:
-        """Bring the index up to date with ``context``, which must extend what was seen before."""
+    def extend(self, context: Sequence[int]) -> bool:
+        """Bring the index up to date with ``context``; returns True when it had to start over (a new sequence)."""
         known = len(self.tokens)
+        restarted = False
         if len(context) < known or list(context[max(0, known - 8) : known]) != self.tokens[max(0, known - 8) :]:
             self.reset()
             known = 0
+            restarted = True
         self.tokens.extend(int(t) for t in context[known:])
         tokens = self.tokens
         for end in range(self._indexed_ends, len(tokens) - 1):
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                key = tuple(tokens[end - n + 1 : end + 1])
-                seen = self._ends.get(key)
-                self._ends[key] = (end, -1, end) if seen is None else (seen[0], seen[2], end)
+                self._ends.setdefault(tuple(tokens[end - n + 1 : end + 1]), []).append(end)
         self._indexed_ends = max(self._indexed_ends, len(tokens) - 1)
+        return restarted
 
-    def lookup(self, max_tokens: int) -> list[int]:
-        """Continuation of the longest suffix n-gram that occurred before (see the class for which occurrence)."""
+    def find(self, max_tokens: int, follow_from: int | None = None) -> tuple[list[int], int | None]:
+        """The continuation to copy and the end of the occurrence it follows (None when nothing matches)."""
         tokens = self.tokens
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             ends = self._ends.get(tuple(tokens[len(tokens) - n :]))
-            if ends is None:
+            if not ends:
                 continue
-            first, previous, latest = ends
             if self.prefer == "first":
-                return tokens[first + 1 : first + 1 + max_tokens]
-            continuation = tokens[latest + 1 : latest + 1 + max_tokens]
-            if len(continuation) < max_tokens and previous >= 0:
-                earlier = tokens[previous + 1 : previous + 1 + max_tokens]
-                if len(earlier) > len(continuation):
-                    return earlier
-            return continuation
-        return []
+                source = ends[0]
+            else:
+                source = self._recent(ends, max_tokens)
+                if self.prefer == "follow" and follow_from is not None:
+                    after = bisect.bisect_left(ends, follow_from)
+                    if after < len(ends):
+                        source = ends[after]
+            return tokens[source + 1 : source + 1 + max_tokens], source
+        return [], None
+
+    def lookup(self, max_tokens: int) -> list[int]:
+        """Continuation of the longest suffix n-gram that occurred before (see the class for which occurrence)."""
+        return self.find(max_tokens)[0]
+
+    def _recent(self, ends: list[int], max_tokens: int) -> int:
+        latest = ends[-1]
+        if len(ends) > 1 and len(self.tokens) - 1 - latest < max_tokens and ends[-2] < latest:
+            # the latest occurrence runs into the suffix: the one before it has a longer continuation
+            return ends[-2]
+        return latest
 
 
 class NgramDrafter:
@@ -114,20 +132,27 @@ class NgramDrafter:
 
     name = "ngram"
 
-    def __init__(self, min_n: int = 1, max_n: int = 4, prefer: str = "recent") -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4, prefer: str = "follow") -> None:
         self.index = NgramIndex(min_n, max_n, prefer)
+        self._source: int | None = None  # end of the occurrence the last proposal copied from
+        self._follow_from: int | None = None  # source position of the last accepted copied token
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         self.index.reset()
+        self._source = self._follow_from = None
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
+        self._source = None
         if max_tokens <= 0:
             return Proposal()
-        self.index.extend(context)
-        return Proposal(self.index.lookup(max_tokens), None)
+        if self.index.extend(context):
+            self._follow_from = None
+        tokens, self._source = self.index.find(max_tokens, self._follow_from)
+        return Proposal(tokens, None)
 
     def feedback(self, num_drafted: int, num_accepted: int) -> None:
-        pass
+        if self._source is not None and num_accepted > 0:
+            self._follow_from = self._source + num_accepted
 
 
 # ----------------------------------------------------------------------------------------------------------------

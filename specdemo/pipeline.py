@@ -45,7 +45,7 @@ class SpecSettings:
     draft_int8: bool | None = None  # int8 draft copy; None = on for a CPU draft in draft mode (uag: only when True)
     ngram_min: int = 1
     ngram_max: int = 4
-    ngram_prefer: str = "recent"  # which earlier occurrence an n-gram draft copies: "recent" or "first"
+    ngram_prefer: str = "follow"  # which earlier occurrence an n-gram draft copies: "follow", "recent" or "first"
 
     def validate(self) -> None:
         if self.mode not in SPEC_MODES:

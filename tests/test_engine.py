@@ -36,6 +36,8 @@ def _drafters(name: str, target):
         "restricted-head": DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=40),
         "random-model": DraftModelDrafter(llama(99, layers=1), GREEDY, VOCAB),
         "ngram": NgramDrafter(1, 3),
+        "ngram-recent": NgramDrafter(1, 3, "recent"),
+        "ngram-first": NgramDrafter(2, 4, "first"),
     }
 
 

@@ -12,7 +12,7 @@ def test_longest_suffix_match_wins():
 
 
 def test_most_recent_occurrence_is_preferred():
-    index = NgramIndex(1, 2)
+    index = NgramIndex(1, 2, prefer="recent")
     index.extend([7, 8, 1, 7, 8, 2, 7, 8])
     assert index.lookup(1) == [2]
 
@@ -27,10 +27,38 @@ def test_first_occurrence_when_asked():
     assert growing.lookup(2) == [1, 7]
 
 
+def test_follow_continues_the_last_accepted_copy():
+    #          0  1  2  3  4  5  6  7
+    tokens = [8, 5, 8, 6, 8, 7, 9, 8]  # (8) ended at 0, 2 and 4 before the suffix
+    index = NgramIndex(1, 2, prefer="follow")
+    index.extend(tokens)
+    assert index.find(2) == ([7, 9], 4)  # nothing copied yet: the most recent occurrence
+    assert index.find(2, follow_from=1) == ([6, 8], 2)  # the first occurrence at or after where the copy ended
+    assert index.find(2, follow_from=2) == ([6, 8], 2)
+    assert index.find(2, follow_from=5) == ([7, 9], 4)  # none after it: the most recent again
+    assert NgramIndex(1, 2, prefer="first").find(2, follow_from=3) == ([], None)  # empty index
+
+
+def test_drafter_follows_only_accepted_copies_and_forgets_them_on_a_new_sequence():
+    drafter = NgramDrafter(1, 2)  # "follow" is the default
+    drafter.start([8, 5, 8, 6])
+    assert drafter.propose([8, 5, 8, 6, 8], 1).tokens == [6]  # (6, 8) never occurred; (8) last ended at 2
+    drafter.feedback(1, 0)  # rejected: nothing to follow
+    assert drafter._follow_from is None
+    drafter.propose([8, 5, 8, 6, 8, 7, 9, 8], 2)
+    drafter.feedback(2, 1)  # copied from the occurrence ending at 4, one token accepted
+    assert drafter._follow_from == 5
+    drafter.propose([3, 3, 3], 2)  # a different sequence: the index starts over and so does following
+    assert drafter._follow_from is None
+    drafter.feedback(2, 2)
+    drafter.start([1])
+    assert drafter._follow_from is None and drafter._source is None
+
+
 def test_an_unknown_preference_is_refused():
     import pytest
 
-    with pytest.raises(ValueError, match="recent, first"):
+    with pytest.raises(ValueError, match="follow, recent, first"):
         NgramIndex(1, 2, prefer="best")
 
 
