@@ -76,6 +76,7 @@ class BenchConfig:
     limit: int | None = None
     categories: list[str] | None = None
     uag_draft: str | None = None
+    draft_settings: dict[str, Any] = field(default_factory=dict)  # draft length, head, int8, n-gram sizes and rule
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -370,6 +371,8 @@ def run_benchmark(
                 "divergence_margin": None,
                 "speedup": None,
             }
+            if mode == "plain":
+                entry["prompt_ids"] = list(ids)  # lets `python -m specdemo.replay` replay drafting rules offline
             if run.counters is not None:
                 metrics = run_metrics(run.counters)
                 entry["acceptance_rate"] = metrics.acceptance_rate
@@ -528,6 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             hf_lookup_tokens=args.hf_lookup_tokens,
             limit=args.limit,
             categories=categories,
+            draft_settings={k: v for k, v in asdict(spec).items() if k != "mode"},
         )
         report = run_benchmark(config, target, draft, prompts, spec, progress=not args.quiet, uag_draft=uag_draft)
     except (InputError, PromptFileError, ModelLoadError, OfflinePackError, ValueError) as error:
