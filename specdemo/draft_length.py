@@ -69,8 +69,10 @@ class CostAwareDraftLength:
     (see :func:`expected_tokens`). Cost of a round: k * t_draft + t_verify(k + 1), with t_verify fitted to the verify
     passes measured so far (see :meth:`_verify_cost`) and t_draft the
     measured draft time per token. k = 0 is a plain target step, so when drafts keep being rejected the policy falls
-    back to (nearly) plain decoding; it still probes a short draft now and then so that it notices when drafting
-    starts to pay again. Acceptance estimates are exponentially weighted, so the policy follows the text.
+    back to (nearly) plain decoding; it still probes a one-token draft now and then so that it notices when drafting
+    starts to pay again: after ``probe_every`` plain steps, and twice as many after each probe that was rejected (up
+    to ``max_probe_every``), since a probe costs a draft step plus whatever the drafter must catch up on. Acceptance
+    estimates are exponentially weighted, so the policy follows the text.
     """
 
     def __init__(
@@ -80,12 +82,16 @@ class CostAwareDraftLength:
         decay: float = 0.9,
         probe_every: int = 8,
         measure_plain_step: bool = True,
+        max_probe_every: int = 64,
     ) -> None:
         self.k_start = min(k_start, k_max)
         self.measure_plain_step = measure_plain_step
         self.k_max = k_max
         self.decay = decay
         self.probe_every = probe_every
+        self.max_probe_every = max(probe_every, max_probe_every)
+        self._probe_interval = probe_every  # plain steps before the next probe
+        self._probing = False
         self._accepted = 0.0
         self._rejections = 0.0
         self._tested_at = [0.0] * k_max  # per draft position: (weighted) rounds in which it was checked
@@ -150,7 +156,8 @@ class CostAwareDraftLength:
             rate = expected_tokens(acceptance_at, k) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        if best_k == 0 and self._rounds_since_draft >= self.probe_every:
+        self._probing = best_k == 0 and self._rounds_since_draft >= self._probe_interval
+        if self._probing:
             best_k = 1
         self.k = best_k
         return best_k
@@ -164,6 +171,11 @@ class CostAwareDraftLength:
             self._rounds_since_draft += 1
             return
         self._rounds_since_draft = 0
+        if accepted > 0:
+            self._probe_interval = self.probe_every
+        elif self._probing:
+            self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
+        self._probing = False
         per_token = draft_seconds / drafted
         previous_draft = self._draft_time_per_token
         self._draft_time_per_token = per_token if previous_draft is None else 0.7 * previous_draft + 0.3 * per_token

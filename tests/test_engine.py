@@ -186,6 +186,23 @@ def test_adaptive_policy_goes_long_for_free_all_or_nothing_drafts():
     assert acceptance[0] < 0.7 and min(acceptance[1:6]) > 0.8  # the first position decides, the rest follow
 
 
+def test_adaptive_policy_backs_off_probes_that_keep_failing():
+    policy = CostAwareDraftLength()
+    policy.update(4, 0, 0.4, 0.1)
+    policy.update(0, 0, 0.0, 0.1)
+    policy._rounds = 2
+    probes = []
+    for round_index in range(200):
+        k = policy.next_length()
+        if k:
+            probes.append(round_index)
+        policy.update(k, 0, 0.1 * k, 0.1)  # expensive drafts, always rejected
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [17, 33, 65, 65]  # 8, 16, 32, then at most 64 plain steps between probes (+1: the probe)
+    policy.update(1, 1, 0.1, 0.1)  # an accepted draft: probing comes back to its normal pace
+    assert policy._probe_interval == policy.probe_every
+
+
 def test_verify_cost_fit_shrugs_off_one_noisy_length():
     policy = CostAwareDraftLength()
     for length, seconds in [(1, 0.10), (3, 0.10), (5, 0.10), (7, 0.30), (9, 0.10), (13, 0.11)]:
