@@ -104,14 +104,15 @@ class NgramIndex:
             ends = self._ends.get(tuple(tokens[len(tokens) - n :]))
             if not ends:
                 continue
+            after = len(ends)
+            if self.prefer == "follow" and follow_from is not None:
+                after = bisect.bisect_left(ends, follow_from)
             if self.prefer == "first":
                 source = ends[0]
+            elif after < len(ends):
+                source = ends[after]
             else:
                 source = self._recent(ends, max_tokens)
-                if self.prefer == "follow" and follow_from is not None:
-                    after = bisect.bisect_left(ends, follow_from)
-                    if after < len(ends):
-                        source = ends[after]
             return tokens[source + 1 : source + 1 + max_tokens], source
         return [], None
 
@@ -121,7 +122,7 @@ class NgramIndex:
 
     def _recent(self, ends: list[int], max_tokens: int) -> int:
         latest = ends[-1]
-        if len(ends) > 1 and len(self.tokens) - 1 - latest < max_tokens and ends[-2] < latest:
+        if len(ends) > 1 and len(self.tokens) - 1 - latest < max_tokens:
             # the latest occurrence runs into the suffix: the one before it has a longer continuation
             return ends[-2]
         return latest
