@@ -5,27 +5,25 @@ Structure (everything but :func:`build_app` is testable without a browser):
 - :class:`AppConfig`: what the app serves (presets, device, model loader, update rate, ...);
 - :class:`Racer`: validates a :class:`RaceRequest`, loads the pair (with progress), and runs one race through
   :func:`specdemo.race.race`, yielding a :class:`RaceState` after every round;
-- pure view functions: :func:`render_token`, :func:`pane_stats_html`, :func:`speedup_html`, :func:`figures_html`,
-  :func:`identical_html`, chart frames (:func:`race_frame`, :func:`accepted_length_frame`,
-  :func:`acceptance_position_frame`) and :func:`result_dict` (the ``/race`` API's JSON);
+- views: token spans, pane figures, cards and CSS come from :mod:`specdemo.views` (no Gradio there); here: chart
+  frames (:func:`race_frame`, :func:`accepted_length_frame`, :func:`acceptance_position_frame`) and
+  :func:`result_dict` (the ``/race`` API's JSON, with the race log under ``"log"``);
 - :func:`make_handlers`: the Gradio handlers (a generator for the Run button, a function for the ``/race`` API);
 - :func:`build_app`: the Blocks page; :func:`launch` adds the page's CSS.
 """
 
 import gc
-import html
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import gradio as gr
 import pandas as pd
 import torch
 
 from .bench import divergence, divergence_margin
-from .engine import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, GenerationSettings, RoundEvent, TokenEvent, collect
-from .metrics import Comparison, RunMetrics, compare, run_metrics
+from .engine import Counters, GenerationSettings, TokenEvent, collect
 from .models import LoadedModel, LoadSettings, ModelLoadError, clear_model_cache, load_model
 from .offline import OfflinePackError
 from .pipeline import (
@@ -44,6 +42,19 @@ from .prompts import Prompt, PromptFileError, load_prompts
 from .race import race
 from .sampling import SamplingSettings
 from .spaces_compat import gpu
+from .views import (  # noqa: F401  # render_token and token_title: re-exported, the app's views used to live here
+    CSS,
+    PaneState,
+    RaceState,
+    figures_html,
+    identical_html,
+    legend_html,
+    pane_stats_html,
+    pane_titles,
+    render_token,
+    speedup_html,
+    token_title,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +67,6 @@ DRAFT_LENGTHS = ["adaptive", "heuristic", *[str(k) for k in range(1, 13)]]
 EXAMPLE_CATEGORIES = ("chat", "code-writing", "code-editing", "summarization", "translation")
 SIDE_LABELS = {"plain": "plain", "spec": "speculative"}
 SIDE_COLOURS = {"plain": "#9ca3af", "speculative": "#16a34a"}
-KIND_LABELS = {
-    ACCEPTED: "accepted draft token",
-    CORRECTED: "corrected by the target",
-    BONUS: "bonus token (every draft accepted)",
-    PLAIN: "plain token (target alone)",
-    REJECTED: "rejected draft token",
-}
-#: margin (top-1 minus top-2 logit) below which a divergence counts as a low-precision near-tie
-NEAR_TIE_MARGIN = 0.5
 
 #: the Run handler's outputs, in order (tests zip them with the yielded tuples)
 OUTPUTS = (
@@ -236,79 +238,6 @@ def parse_seed(value: Any) -> int | None:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# race state
-
-
-@dataclass
-class PaneState:
-    """One side of the race as shown: rendered token spans, tokens, counters and the tokens-over-time curve."""
-
-    side: str
-    spans: list[str] = field(default_factory=list)
-    tokens: list[TokenEvent] = field(default_factory=list)
-    rejected: list[TokenEvent] = field(default_factory=list)
-    counters: Counters = field(default_factory=Counters)
-    points: list[tuple[float, int]] = field(default_factory=lambda: [(0.0, 0)])
-    finished: bool = False
-    finish_reason: str | None = None
-    text: str = ""
-    ids: list[int] = field(default_factory=list)
-
-    def add(self, event: RoundEvent) -> None:
-        shown = event.tokens
-        accepted = [t for t in shown if t.kind == ACCEPTED]
-        rest = [t for t in shown if t.kind != ACCEPTED]
-        # the rejected drafts sat where the target's correction now stands: accepted, rejected (struck), correction
-        for token in accepted:
-            self.spans.append(render_token(token))
-        for token in event.rejected:
-            self.spans.append(render_token(token))
-        for token in rest:
-            self.spans.append(render_token(token))
-        self.tokens.extend(shown)
-        self.rejected.extend(event.rejected)
-        self.counters = event.counters
-        self.points.append((event.counters.seconds, event.counters.new_tokens))
-        if event.finished:
-            self.finished = True
-            self.finish_reason = event.finish_reason
-            self.text = event.text
-            self.ids = list(event.new_token_ids)
-
-    def html(self) -> str:
-        return "".join(self.spans)
-
-    def metrics(self) -> RunMetrics:
-        return run_metrics(self.counters)
-
-
-@dataclass
-class RaceState:
-    """Both panes, and the run's figures once both sides have finished."""
-
-    prepared: Prepared | None
-    plain: PaneState = field(default_factory=lambda: PaneState("plain"))
-    spec: PaneState = field(default_factory=lambda: PaneState("spec"))
-    done: bool = False
-    divergence: int | None = None
-    margin: float | None = None
-
-    @property
-    def comparison(self) -> Comparison | None:
-        if not self.plain.counters.new_tokens or not self.spec.counters.new_tokens:
-            return None
-        return compare(self.spec.metrics(), self.plain.metrics())
-
-    @property
-    def identical(self) -> bool | None:
-        return self.divergence is None if self.done else None
-
-    @property
-    def greedy(self) -> bool:
-        return self.prepared is None or self.prepared.settings.sampling.greedy
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -488,177 +417,6 @@ class Racer:
         state.done = True
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# views (pure functions)
-
-
-def _fmt_prob(value: float | None) -> str:
-    return "–" if value is None else f"{value:.3f}"
-
-
-def token_title(token: TokenEvent) -> str:
-    """The hover text of a token: its round, how it was made, and the probabilities behind it."""
-    parts = [f"round {token.round}", KIND_LABELS.get(token.kind, token.kind)]
-    if token.draft_prob is not None:
-        parts.append(f"draft p = {_fmt_prob(token.draft_prob)}")
-    if token.target_prob is not None:
-        parts.append(f"target p = {_fmt_prob(token.target_prob)}")
-    return " · ".join(parts)
-
-
-def render_token(token: TokenEvent) -> str:
-    """One token as an HTML span coloured by kind; its text is escaped (whitespace is kept by the CSS)."""
-    kind = token.kind if token.kind in KIND_LABELS else PLAIN
-    return (
-        f'<span class="tok tok-{kind}" title="{html.escape(token_title(token), quote=True)}">'
-        f"{html.escape(token.text, quote=True)}</span>"
-    )
-
-
-def render_tokens(tokens: Sequence[TokenEvent]) -> str:
-    return "".join(render_token(t) for t in tokens)
-
-
-def legend_html() -> str:
-    items = [
-        (ACCEPTED, "accepted draft token"),
-        (CORRECTED, "corrected by the target"),
-        (BONUS, "bonus token (all drafts accepted)"),
-        (PLAIN, "plain (target alone)"),
-        (REJECTED, "rejected draft (when shown)"),
-    ]
-    spans = "".join(
-        f'<span class="legend-item"><span class="tok tok-{kind} legend-swatch">{html.escape(label)}</span></span>'
-        for kind, label in items
-    )
-    return f'<div class="legend">{spans}</div>'
-
-
-def _rate(counters: Counters) -> float | None:
-    seconds = counters.seconds
-    return counters.new_tokens / seconds if seconds > 0 and counters.new_tokens else None
-
-
-def _stat(value: str, label: str) -> str:
-    return f'<span class="stat"><b>{html.escape(value)}</b> {html.escape(label)}</span>'
-
-
-def pane_stats_html(pane: PaneState, title: str, subtitle: str, running: bool) -> str:
-    """A pane's header with its live figures: tokens/s, own compute time, target passes, tokens."""
-    counters = pane.counters
-    rate = _rate(counters)
-    stats = [
-        _stat(f"{rate:.2f}" if rate else "–", "tok/s"),
-        _stat(f"{counters.seconds:.2f} s", "elapsed"),
-        _stat(str(counters.target_passes), "target passes"),
-        _stat(str(counters.new_tokens), "tokens"),
-    ]
-    if pane.side == "spec" and counters.drafted:
-        stats.append(_stat(f"{counters.accepted}/{counters.drafted}", "drafts accepted"))
-    if pane.finished:
-        chip = f'<span class="chip chip-done">done ({html.escape(pane.finish_reason or "")})</span>'
-    elif running:
-        chip = '<span class="chip chip-running">running…</span>'
-    else:
-        chip = '<span class="chip chip-idle">stopped</span>' if counters.new_tokens else ""
-    return (
-        f'<div class="pane-head"><div class="pane-title">{html.escape(title)} {chip}</div>'
-        f'<div class="pane-sub">{html.escape(subtitle)}</div>'
-        f'<div class="pane-stats">{"".join(stats)}</div></div>'
-    )
-
-
-def live_speedup(state: RaceState) -> float | None:
-    plain, spec = _rate(state.plain.counters), _rate(state.spec.counters)
-    return spec / plain if plain and spec else None
-
-
-def speedup_html(state: RaceState | None) -> str:
-    """The headline figure: speculative tokens/s over plain tokens/s, each on its own compute time."""
-    if state is None:
-        return _card("–", "speedup", "tokens/s, speculative ÷ plain", "fig-main")
-    if state.done:
-        comparison = state.comparison
-        value = comparison.speedup if comparison else None
-        note = "tokens/s, speculative ÷ plain (own compute time)"
-    else:
-        value = live_speedup(state)
-        note = "so far (race running)"
-    text = f"{value:.2f}×" if value else "–"
-    extra = " fig-good" if value and value >= 1.0 and state.done else (" fig-bad" if value and state.done else "")
-    return _card(text, "speedup", note, "fig-main" + extra)
-
-
-def _card(value: str, label: str, note: str = "", classes: str = "") -> str:
-    note_html = f'<div class="fig-note">{html.escape(note)}</div>' if note else ""
-    return (
-        f'<div class="fig {classes}"><div class="fig-value">{html.escape(value)}</div>'
-        f'<div class="fig-label">{html.escape(label)}</div>{note_html}</div>'
-    )
-
-
-def _pct(value: float | None) -> str:
-    return "–" if value is None else f"{value:.0%}"
-
-
-def figures_html(state: RaceState | None) -> str:
-    """Acceptance rate, mean accepted length and the expected speedup for the measured acceptance and cost."""
-    if state is None or not state.spec.counters.new_tokens:
-        cards = [_card("–", "acceptance rate"), _card("–", "mean accepted length"), _card("–", "expected speedup")]
-        return f'<div class="figs">{"".join(cards)}</div>'
-    spec = state.spec.metrics()
-    counters = state.spec.counters
-    cards = [
-        _card(_pct(spec.acceptance_rate), "acceptance rate", f"{counters.accepted} of {counters.drafted} drafts"),
-        _card(
-            "–" if spec.mean_accepted_length is None else f"{spec.mean_accepted_length:.2f}",
-            "mean accepted length",
-            "tokens per target pass (plain: 1)",
-        ),
-    ]
-    comparison = state.comparison if state.plain.counters.rounds else None
-    if comparison is not None and comparison.expected_speedup is not None:
-        detail = (
-            f"E {spec.expected_tokens_per_round or 1:.2f} tokens/pass, α {spec.alpha or 0:.2f}, "
-            f"γ {spec.mean_draft_length or 0:.1f}, c {comparison.draft_cost or 0:.2f}, "
-            f"v {comparison.verify_cost or 0:.2f}"
-        )
-        if state.done and comparison.fraction_of_expected is not None:
-            detail += f"; measured {comparison.fraction_of_expected:.0%} of it"
-        cards.append(_card(f"{comparison.expected_speedup:.2f}×", "expected speedup", detail))
-    else:
-        cards.append(_card("–", "expected speedup"))
-    return f'<div class="figs">{"".join(cards)}</div>'
-
-
-def identical_html(state: RaceState | None) -> str:
-    """The "identical output" badge, or where and why the outputs parted."""
-    if state is None or not state.done:
-        text = "comparing when both finish…" if state is not None else "identical output?"
-        return f'<div class="badge badge-pending">{html.escape(text)}</div>'
-    if state.divergence is None:
-        return (
-            f'<div class="badge badge-same" title="speculative output equals plain output token for token">'
-            f"✓ identical output ({len(state.plain.ids)} tokens)</div>"
-        )
-    position = state.divergence
-    if not state.greedy:
-        return (
-            f'<div class="badge badge-info">sampled: the texts part at token {position + 1} '
-            f"(same distribution, different draws)</div>"
-        )
-    if state.margin is not None and state.margin < NEAR_TIE_MARGIN:
-        dtype = str(state.prepared.target.dtype).replace("torch.", "") if state.prepared else "low precision"
-        return (
-            f'<div class="badge badge-tie" title="the target\'s two best tokens were nearly tied here; a k-token '
-            f'verify pass and a one-token pass round differently in {html.escape(dtype)}">'
-            f"≈ outputs part at token {position + 1}: {html.escape(dtype)} near-tie "
-            f"(logit margin {state.margin:.3f})</div>"
-        )
-    margin = f" (logit margin {state.margin:.3f})" if state.margin is not None else ""
-    return f'<div class="badge badge-diff">≠ outputs differ at token {position + 1}{html.escape(margin)}</div>'
-
-
 def status_text(state: RaceState | None) -> str:
     if state is None:
         return ""
@@ -758,26 +516,13 @@ def result_dict(state: RaceState, stopped: bool = False) -> dict[str, Any]:
                 "prompt_tokens": len(prepared.prompt_ids),
             }
         )
+        result["log"] = state.log().to_json()
     return result
-
-
-def pane_titles(prepared: Prepared | None) -> tuple[tuple[str, str], tuple[str, str]]:
-    """(title, subtitle) of the plain and the speculative pane."""
-    if prepared is None:
-        return ("Plain decoding", "the target alone: one forward pass per token"), (
-            "Speculative decoding",
-            "drafts proposed, verified by the target in one pass",
-        )
-    helper = f"draft {prepared.draft_source}" if prepared.draft_source else SPEC_MODES.get(prepared.spec.mode, "")
-    return (
-        ("Plain decoding", f"target {prepared.target_source}, one pass per token"),
-        (f"Speculative decoding ({prepared.spec.mode})", f"target {prepared.target_source} + {helper}"),
-    )
 
 
 def view(state: RaceState, final: bool, running: bool = True) -> tuple:
     """The Run handler's outputs (see :data:`OUTPUTS`); charts and JSON only with the final state."""
-    (plain_title, plain_sub), (spec_title, spec_sub) = pane_titles(state.prepared)
+    (plain_title, plain_sub), (spec_title, spec_sub) = pane_titles(state.settings)
     live = running and not final
     values = [
         pane_stats_html(state.plain, plain_title, plain_sub, live and not state.plain.finished),
@@ -934,50 +679,6 @@ def make_handlers(config: AppConfig) -> Handlers:
 
 # ----------------------------------------------------------------------------------------------------------------
 # the page
-
-CSS = """
-.tok-box { white-space: pre-wrap; word-break: break-word; overflow-wrap: anywhere;
-  font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace;
-  font-size: 13.5px; line-height: 1.6; background: #ffffff; color: #1f2937;
-  border: 1px solid #e5e7eb; border-radius: 8px; padding: 10px 12px; min-height: 300px; }
-.tok { border-radius: 3px; }
-.tok-accepted { background: #bbf7d0; color: #14532d; }
-.tok-corrected { background: #fed7aa; color: #7c2d12; }
-.tok-bonus { background: #bfdbfe; color: #1e3a8a; }
-.tok-plain { background: #f3f4f6; color: #1f2937; }
-.tok-rejected { display: none; background: #fecaca; color: #991b1b; text-decoration: line-through; }
-body.show-rejected .tok-rejected, .legend .tok-rejected { display: inline !important; }
-.tok:hover { outline: 1px solid #6b7280; }
-.legend { display: flex; flex-wrap: wrap; gap: 6px 14px; align-items: center; font-size: 13px; padding: 4px 0; }
-.legend-swatch { padding: 2px 6px; font-family: inherit; }
-.pane-head { padding: 2px 2px 6px 2px; }
-.pane-title { font-weight: 700; font-size: 16px; }
-.pane-sub { font-size: 12px; color: #6b7280; margin: 1px 0 4px 0; }
-.pane-stats { display: flex; flex-wrap: wrap; gap: 4px 14px; font-size: 13px; }
-.pane-stats b { font-variant-numeric: tabular-nums; }
-.chip { font-size: 11px; font-weight: 600; padding: 1px 8px; border-radius: 999px; margin-left: 6px;
-  vertical-align: middle; }
-.chip-running { background: #fef3c7; color: #92400e; }
-.chip-done { background: #dcfce7; color: #166534; }
-.chip-idle { background: #e5e7eb; color: #374151; }
-.figs { display: flex; gap: 10px; flex-wrap: wrap; }
-.fig { flex: 1 1 120px; border: 1px solid #e5e7eb; border-radius: 8px; padding: 8px 12px; background: #ffffff;
-  color: #111827; min-width: 120px; }
-.fig-value { font-size: 24px; font-weight: 700; font-variant-numeric: tabular-nums; }
-.fig-main .fig-value { font-size: 34px; }
-.fig-good { border-color: #16a34a; background: #f0fdf4; }
-.fig-bad { border-color: #dc2626; background: #fef2f2; }
-.fig-label { font-size: 13px; font-weight: 600; color: #374151; }
-.fig-note { font-size: 11.5px; color: #6b7280; }
-.badge { display: inline-block; border-radius: 8px; padding: 14px 14px; font-weight: 600; font-size: 15px;
-  width: 100%; box-sizing: border-box; }
-.badge-same { background: #dcfce7; color: #166534; border: 1px solid #16a34a; }
-.badge-tie { background: #fef3c7; color: #92400e; border: 1px solid #d97706; }
-.badge-diff { background: #fee2e2; color: #991b1b; border: 1px solid #dc2626; }
-.badge-info { background: #e0f2fe; color: #075985; border: 1px solid #0284c7; }
-.badge-pending { background: #f3f4f6; color: #6b7280; border: 1px dashed #9ca3af; font-weight: 500; }
-#run { min-height: 44px; }
-"""
 
 STOP_JS = (
     "() => { document.querySelectorAll('.chip-running').forEach(c => "

@@ -1,0 +1,348 @@
+"""A race as data: its settings, each side's rounds on its own compute clock, and the outcome.
+
+The log is what every recording (:mod:`specdemo.html_replay`, :mod:`specdemo.video`) is drawn from, and what the
+``/race`` API returns under ``"log"``. It is stored as compact JSON: each round carries only what changed (the
+tokens it kept, the drafts it rejected, its draft and verify seconds); the running counters, the metrics and the
+figures are rebuilt from the rounds exactly as the engine added them up (:meth:`RaceLog.events`). Layout::
+
+    {"format": "specdemo-race-log", "version": 1,
+     "settings": {...RaceSettings...},
+     "token_fields": ["id", "text", "kind", "draft_prob", "target_prob"],
+     "sides": {"plain": [ROUND, ...], "spec": [ROUND, ...]},
+     "outcome": {"done": true, "divergence": null | {"position": 17, "logit_margin": 0.12}},
+     "figures": {...}}   # derived (speedup, acceptance, ...), for readers; ignored on load
+
+    ROUND = {"round": 3, "t": 1.234, "draft_s": 0.02, "verify_s": 0.1, "drafted": 4, "accepted": 2,
+             "tokens": [[id, text, kind, draft_prob, target_prob], ...], "rejected": [...], "finish": "length"}
+
+``t`` is the side's own compute clock at the end of the round; zero counts, empty lists and a missing finish are
+left out.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import platform
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from .engine import Counters, RoundEvent, TokenEvent
+from .metrics import compare, run_metrics
+
+if TYPE_CHECKING:
+    from .ui import Prepared
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "specdemo-race-log"
+VERSION = 1
+TOKEN_FIELDS = ("id", "text", "kind", "draft_prob", "target_prob")
+SIDES = ("plain", "spec")
+
+
+class RaceLogError(ValueError):
+    """A file that is not a race log this version can read, with a one-line reason."""
+
+
+@functools.lru_cache(maxsize=None)
+def hardware_name(device: str) -> str:
+    """What a race ran on, for titles: the GPU's name, or the CPU's model name and core count."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    if device.startswith("mps"):
+        return "Apple GPU (mps)"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores)"
+
+
+@dataclass(frozen=True)
+class RaceSettings:
+    """What was raced, how, and on what."""
+
+    target: str
+    draft: str | None
+    mode: str
+    draft_tokens: str | int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    dtype: str
+    device: str
+    hardware: str
+    prompt: str
+    prompt_tokens: int
+    chat: bool = True
+    pair: str | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @classmethod
+    def from_prepared(cls, prepared: Prepared) -> RaceSettings:
+        sampling = prepared.settings.sampling
+        device = str(prepared.target.device)
+        return cls(
+            target=prepared.target_source,
+            draft=prepared.draft_source,
+            mode=prepared.spec.mode,
+            draft_tokens=prepared.spec.draft_length,
+            max_new_tokens=prepared.settings.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            dtype=str(prepared.target.dtype).replace("torch.", ""),
+            device=device,
+            hardware=hardware_name(device),
+            prompt=prepared.request.prompt,
+            prompt_tokens=len(prepared.prompt_ids),
+            chat=bool(prepared.request.chat),
+            pair=(prepared.request.pair or "").strip() or None,
+        )
+
+
+@dataclass
+class LoggedRound:
+    """One target pass of one side: what it kept and rejected, what it cost, and the side's clock after it."""
+
+    index: int
+    tokens: list[TokenEvent]
+    rejected: list[TokenEvent] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0  # round 0: the prompt pass
+    clock: float = 0.0  # the side's own compute seconds at the end of this round
+    finish_reason: str | None = None
+
+    @classmethod
+    def from_event(cls, event: RoundEvent) -> LoggedRound:
+        return cls(
+            index=event.round,
+            tokens=list(event.tokens),
+            rejected=list(event.rejected),
+            drafted=event.drafted,
+            accepted=event.accepted,
+            draft_seconds=event.draft_seconds,
+            verify_seconds=event.verify_seconds,
+            clock=event.counters.seconds,
+            finish_reason=event.finish_reason if event.finished else None,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"round": self.index, "t": self.clock}
+        if self.draft_seconds:
+            data["draft_s"] = self.draft_seconds
+        data["verify_s"] = self.verify_seconds
+        if self.drafted:
+            data["drafted"] = self.drafted
+        if self.accepted:
+            data["accepted"] = self.accepted
+        data["tokens"] = [_token_row(t) for t in self.tokens]
+        if self.rejected:
+            data["rejected"] = [_token_row(t) for t in self.rejected]
+        if self.finish_reason:
+            data["finish"] = self.finish_reason
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LoggedRound:
+        index = int(data["round"])
+        return cls(
+            index=index,
+            tokens=[_token_event(row, index) for row in data["tokens"]],
+            rejected=[_token_event(row, index) for row in data.get("rejected", [])],
+            drafted=int(data.get("drafted", 0)),
+            accepted=int(data.get("accepted", 0)),
+            draft_seconds=float(data.get("draft_s", 0.0)),
+            verify_seconds=float(data["verify_s"]),
+            clock=float(data["t"]),
+            finish_reason=data.get("finish"),
+        )
+
+
+def _token_row(token: TokenEvent) -> list[Any]:
+    return [token.id, token.text, token.kind, token.draft_prob, token.target_prob]
+
+
+def _token_event(row: list[Any], index: int) -> TokenEvent:
+    token_id, text, kind, draft_prob, target_prob = row
+    return TokenEvent(
+        int(token_id),
+        str(text),
+        str(kind),
+        index,
+        None if draft_prob is None else float(draft_prob),
+        None if target_prob is None else float(target_prob),
+    )
+
+
+@dataclass
+class RaceLog:
+    """One race, both sides, round by round."""
+
+    settings: RaceSettings
+    plain: list[LoggedRound] = field(default_factory=list)
+    spec: list[LoggedRound] = field(default_factory=list)
+    done: bool = False  # both sides finished and were compared
+    divergence: int | None = None  # first position where the outputs differ (None: identical, or not done)
+    margin: float | None = None  # the target's top-1 minus top-2 logit there
+
+    def rounds(self, side: str) -> list[LoggedRound]:
+        if side not in SIDES:
+            raise ValueError(f"unknown side {side!r}; sides are {', '.join(SIDES)}")
+        return self.plain if side == "plain" else self.spec
+
+    def events(self, side: str) -> Iterator[RoundEvent]:
+        """The side's rounds as the engine yielded them, running counters rebuilt in the engine's order."""
+        counters = Counters()
+        ids: list[int] = []
+        pieces: list[str] = []
+        for logged in self.rounds(side):
+            if logged.index == 0:
+                counters.prefill_seconds += logged.verify_seconds
+                counters.target_passes += 1
+            else:
+                counters.draft_seconds += logged.draft_seconds
+                counters.verify_seconds += logged.verify_seconds
+                counters.record_round(logged.drafted, logged.accepted, logged.accepted + 1)
+            ids.extend(t.id for t in logged.tokens)
+            pieces.extend(t.text for t in logged.tokens)
+            counters.new_tokens = len(ids)
+            finished = logged.finish_reason is not None
+            yield RoundEvent(
+                side,
+                logged.index,
+                list(logged.tokens),
+                list(logged.rejected),
+                logged.drafted,
+                logged.accepted,
+                logged.draft_seconds,
+                logged.verify_seconds,
+                counters.snapshot(),
+                finished=finished,
+                finish_reason=logged.finish_reason,
+                new_token_ids=list(ids) if finished else [],
+                text="".join(pieces) if finished else "",
+            )
+
+    def counters(self, side: str) -> Counters:
+        """The side's counters at the end of the race."""
+        last = Counters()
+        for event in self.events(side):
+            last = event.counters
+        return last
+
+    @property
+    def seconds(self) -> float:
+        """How long the race lasts on the fair clock: the slower side's own compute time."""
+        return max((rounds[-1].clock for rounds in (self.plain, self.spec) if rounds), default=0.0)
+
+    @property
+    def identical(self) -> bool | None:
+        return self.divergence is None if self.done else None
+
+    def figures(self) -> dict[str, Any]:
+        """The final figures: speedup, acceptance, mean accepted length, expected speedup, identical or not."""
+        spec, plain = run_metrics(self.counters("spec")), run_metrics(self.counters("plain"))
+        comparison = compare(spec, plain) if spec.new_tokens and plain.new_tokens else None
+        return {
+            "speedup": comparison.speedup if comparison else None,
+            "acceptance_rate": spec.acceptance_rate,
+            "mean_accepted_length": spec.mean_accepted_length,
+            "expected_speedup": comparison.expected_speedup if comparison else None,
+            "plain_tokens_per_s": plain.tokens_per_s,
+            "spec_tokens_per_s": spec.tokens_per_s,
+            "identical": self.identical,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "settings": asdict(self.settings),
+            "token_fields": list(TOKEN_FIELDS),
+            "sides": {side: [r.to_json() for r in self.rounds(side)] for side in SIDES},
+            "outcome": {
+                "done": self.done,
+                "divergence": None
+                if self.divergence is None
+                else {"position": self.divergence, "logit_margin": self.margin},
+            },
+            "figures": self.figures(),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "the data") -> RaceLog:
+        """A log from its JSON, or from a ``/race`` response that holds one under ``"log"``."""
+        if isinstance(data, dict) and isinstance(data.get("log"), dict) and "format" not in data:
+            data = data["log"]
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise RaceLogError(
+                f"{source} is not a specdemo race log (no \"format\": \"{FORMAT}\"): record one with "
+                "python -m specdemo.record --json, or pass a /race response"
+            )
+        version = data.get("version")
+        if version != VERSION:
+            raise RaceLogError(
+                f"{source} is a race log of version {version!r}; this specdemo reads version {VERSION} only: "
+                "record the race again"
+            )
+        try:
+            names = {f.name for f in fields(RaceSettings)}
+            settings = RaceSettings(**{k: v for k, v in data["settings"].items() if k in names})
+            if list(data["token_fields"]) != list(TOKEN_FIELDS):
+                raise ValueError(f"token fields {data['token_fields']} are not {list(TOKEN_FIELDS)}")
+            sides = {side: [LoggedRound.from_json(r) for r in data["sides"][side]] for side in SIDES}
+            outcome = data["outcome"]
+            divergence = outcome.get("divergence")
+            return cls(
+                settings,
+                sides["plain"],
+                sides["spec"],
+                done=bool(outcome["done"]),
+                divergence=None if divergence is None else int(divergence["position"]),
+                margin=None if divergence is None or divergence["logit_margin"] is None
+                else float(divergence["logit_margin"]),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            detail = f"missing {error}" if isinstance(error, KeyError) else str(error).splitlines()[0]
+            raise RaceLogError(f"{source} is a damaged race log ({detail})") from None
+
+
+def dumps(log: RaceLog) -> str:
+    """The log as compact JSON text."""
+    return json.dumps(log.to_json(), ensure_ascii=False, separators=(",", ":"))
+
+
+def dump(log: RaceLog, path: str | Path) -> None:
+    Path(path).write_text(dumps(log), encoding="utf-8")
+
+
+def load(path: str | Path) -> RaceLog:
+    """A log from a file written by :func:`dump`, the app's download, or a saved ``/race`` response."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise RaceLogError(f"cannot read {path}: {getattr(error, 'strerror', None) or error}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise RaceLogError(f"{path} is not JSON ({error.msg} at line {error.lineno})") from None
+    return RaceLog.from_json(data, source=str(path))
