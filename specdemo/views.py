@@ -313,6 +313,22 @@ def pane_titles(settings: RaceSettings | None) -> tuple[tuple[str, str], tuple[s
         (f"Speculative decoding ({settings.mode})", f"target {settings.target} + {helper}"),
     )
 
+def race_title(settings: RaceSettings) -> str:
+    """One line naming the race: the pair (or the target and its helper), the mode and the hardware."""
+    helper = settings.draft or SPEC_MODES.get(settings.mode, settings.mode)
+    pair = f"{settings.pair}: " if settings.pair else ""
+    return f"{pair}{settings.target} + {helper} · {settings.mode} mode · {settings.hardware}"
+
+
+def race_details(settings: RaceSettings) -> str:
+    """The settings behind the race, in one line."""
+    sampling = "greedy" if settings.greedy else f"temperature {settings.temperature:g}, top-p {settings.top_p:g}"
+    seed = f", seed {settings.seed}" if settings.seed is not None and not settings.greedy else ""
+    return (
+        f"{settings.max_new_tokens} new tokens max · draft tokens {settings.draft_tokens} · {sampling}{seed} · "
+        f"{settings.dtype} on {settings.device} · prompt {settings.prompt_tokens} tokens"
+    )
+
 
 CSS = """
 .tok-box { white-space: pre-wrap; word-break: break-word; overflow-wrap: anywhere;
@@ -357,3 +373,4 @@ body.show-rejected .tok-rejected, .legend .tok-rejected { display: inline !impor
 .badge-pending { background: #f3f4f6; color: #6b7280; border: 1px dashed #9ca3af; font-weight: 500; }
 #run { min-height: 44px; }
 """
+
