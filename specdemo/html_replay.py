@@ -206,17 +206,13 @@ def replay_data(log: RaceLog) -> dict[str, Any]:
 
     start = {side: head(side, running=False) for side in SIDES}
     start.update(speedup=speedup_html(None), figures=figures_html(None), identical=identical_html(None))
-    rounds = sorted(
-        ((event.counters.seconds, order, event) for order, side in enumerate(SIDES) for event in log.events(side)),
-        key=lambda item: (item[0], item[1]),
-    )
     timeline: list[dict[str, Any]] = []
     shown = dict(start)
-    for seconds, _, event in rounds:
+    for event in log.timeline():
         pane = panes[event.side]
         before = len(pane.spans)
         pane.add(event)
-        entry: dict[str, Any] = {"t": seconds, event.side: "".join(pane.spans[before:])}
+        entry: dict[str, Any] = {"t": event.counters.seconds, event.side: "".join(pane.spans[before:])}
         views = {
             f"{event.side}_stats": head(event.side, running=True),
             "speedup": speedup_html(state),

@@ -241,6 +241,14 @@ class RaceLog:
                 text="".join(pieces) if finished else "",
             )
 
+    def timeline(self) -> list[RoundEvent]:
+        """Both sides' rounds merged in order of their own clocks (plain first on a tie): what a replay shows as
+        its clock runs."""
+        events = [
+            (event.counters.seconds, order, event) for order, side in enumerate(SIDES) for event in self.events(side)
+        ]
+        return [event for _, _, event in sorted(events, key=lambda item: item[:2])]
+
     def counters(self, side: str) -> Counters:
         """The side's counters at the end of the race."""
         last = Counters()

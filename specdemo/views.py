@@ -28,6 +28,14 @@ KIND_LABELS = {
     PLAIN: "plain token (target alone)",
     REJECTED: "rejected draft token",
 }
+#: (background, text) colour of each token kind: the CSS, the replay and the video draw with these
+KIND_COLOURS = {
+    ACCEPTED: ("#bbf7d0", "#14532d"),
+    CORRECTED: ("#fed7aa", "#7c2d12"),
+    BONUS: ("#bfdbfe", "#1e3a8a"),
+    PLAIN: ("#f3f4f6", "#1f2937"),
+    REJECTED: ("#fecaca", "#991b1b"),
+}
 #: margin (top-1 minus top-2 logit) below which a divergence counts as a low-precision near-tie
 NEAR_TIE_MARGIN = 0.5
 
@@ -330,17 +338,19 @@ def race_details(settings: RaceSettings) -> str:
     )
 
 
-CSS = """
+CSS = (
+    """
 .tok-box { white-space: pre-wrap; word-break: break-word; overflow-wrap: anywhere;
   font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace;
   font-size: 13.5px; line-height: 1.6; background: #ffffff; color: #1f2937;
   border: 1px solid #e5e7eb; border-radius: 8px; padding: 10px 12px; min-height: 300px; }
 .tok { border-radius: 3px; }
-.tok-accepted { background: #bbf7d0; color: #14532d; }
-.tok-corrected { background: #fed7aa; color: #7c2d12; }
-.tok-bonus { background: #bfdbfe; color: #1e3a8a; }
-.tok-plain { background: #f3f4f6; color: #1f2937; }
-.tok-rejected { display: none; background: #fecaca; color: #991b1b; text-decoration: line-through; }
+"""
+    + "".join(
+        f".tok-{kind} {{ background: {background}; color: {text}; }}\n"
+        for kind, (background, text) in KIND_COLOURS.items()
+    )
+    + """.tok-rejected { display: none; text-decoration: line-through; }
 body.show-rejected .tok-rejected, .legend .tok-rejected { display: inline !important; }
 .tok:hover { outline: 1px solid #6b7280; }
 .legend { display: flex; flex-wrap: wrap; gap: 6px 14px; align-items: center; font-size: 13px; padding: 4px 0; }
@@ -373,4 +383,5 @@ body.show-rejected .tok-rejected, .legend .tok-rejected { display: inline !impor
 .badge-pending { background: #f3f4f6; color: #6b7280; border: 1px dashed #9ca3af; font-weight: 500; }
 #run { min-height: 44px; }
 """
+)
 

@@ -1,0 +1,371 @@
+"""A race log as video frames (Pillow), encoded as MP4 (H.264 through imageio-ffmpeg's own ffmpeg) or GIF.
+
+Each frame shows the race at one moment of the fair clock: a title line (pair, mode, hardware), both panes with
+their coloured, wrapped tokens (scrolling once the text outgrows the pane), each pane's own clock and tokens/s,
+and the live speedup; the final card (speedup, acceptance, accepted length, expected speedup, identical or not)
+is held at the end. Frames are drawn incrementally (each round's tokens once, onto a tall canvas per pane) and
+depend on the log and the :class:`VideoSettings` only: the same log gives the same frames.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import math
+import re
+import unicodedata
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Iterator
+
+from PIL import Image, ImageDraw, ImageFont
+
+from .engine import REJECTED, TokenEvent
+from .racelog import SIDES, RaceLog
+from .views import (
+    KIND_COLOURS,
+    RaceState,
+    identical_html,
+    live_speedup,
+    pane_titles,
+    race_details,
+    race_title,
+)
+
+logger = logging.getLogger(__name__)
+
+#: called after each frame with (frames done, frames in all)
+FrameCallback = Callable[[int, int], None]
+
+BACKGROUND = "#f9fafb"
+INK = "#111827"
+MUTED = "#6b7280"
+BORDER = "#e5e7eb"
+GOOD = "#16a34a"
+BAD = "#dc2626"
+#: the layout is designed for this width and scaled to the chosen one
+DESIGN_WIDTH = 1280
+
+
+@dataclass(frozen=True)
+class VideoSettings:
+    """Size, frame rate and pace of a recording."""
+
+    width: int = 1280
+    height: int = 720
+    fps: int = 30
+    speed: float = 1.0  # race seconds per video second (2: twice as fast as the race ran)
+    hold_seconds: float = 2.0  # the final card stays this long
+
+    def validate(self) -> None:
+        if self.width < 320 or self.height < 180 or self.width % 2 or self.height % 2:
+            raise ValueError(f"the video size must be even and at least 320x180, got {self.width}x{self.height}")
+        if not 1 <= self.fps <= 60:
+            raise ValueError(f"fps must be between 1 and 60, got {self.fps}")
+        if not (0.05 <= self.speed <= 100):
+            raise ValueError(f"speed must be between 0.05 and 100, got {self.speed}")
+        if not (0 <= self.hold_seconds <= 60):
+            raise ValueError(f"the final card's hold must be between 0 and 60 s, got {self.hold_seconds}")
+
+
+#: GIFs: half the size and a third of the frame rate, for files small enough for a README
+GIF_SETTINGS = VideoSettings(width=640, height=360, fps=10)
+
+
+@lru_cache(maxsize=None)
+def _font(name: str, size: int) -> ImageFont.FreeTypeFont:
+    """A DejaVu font shipped with matplotlib (present wherever the project is installed)."""
+    import matplotlib
+
+    return ImageFont.truetype(str(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / name), size)
+
+
+def frame_times(log: RaceLog, video: VideoSettings) -> list[float]:
+    """The race clock shown by each frame: from 0 to the race's end in steps of speed / fps, the end included,
+    then the end again for the held final card."""
+    step = video.speed / video.fps
+    racing = math.ceil(log.seconds / step - 1e-9) + 1
+    held = round(video.hold_seconds * video.fps)
+    return [min(log.seconds, i * step) for i in range(racing)] + [log.seconds] * held
+
+
+def _printable(text: str) -> str:
+    """A token piece as the grid draws it: tabs as four spaces, other control characters dropped."""
+    text = text.replace("\t", "    ")
+    return "".join(c for c in text if c == "\n" or unicodedata.category(c)[0] != "C")
+
+
+class _TokenCanvas:
+    """One pane's text: tokens wrapped on a monospace grid and drawn once, onto a canvas that grows downwards."""
+
+    def __init__(self, columns: int, rows: int, cell: tuple[float, int], font: ImageFont.FreeTypeFont) -> None:
+        self.columns, self.visible_rows = columns, rows
+        self.cell_width, self.line_height = cell
+        self.font = font
+        self.image = Image.new("RGB", (math.ceil(columns * self.cell_width), 2 * rows * self.line_height), "white")
+        self.draw = ImageDraw.Draw(self.image)
+        self.row, self.column = 0, 0
+
+    def _grow(self) -> None:
+        taller = Image.new("RGB", (self.image.width, 2 * self.image.height), "white")
+        taller.paste(self.image, (0, 0))
+        self.image, self.draw = taller, ImageDraw.Draw(taller)
+
+    def _segment(self, text: str, kind: str) -> None:
+        if (self.row + 2) * self.line_height > self.image.height:
+            self._grow()
+        background, ink = KIND_COLOURS.get(kind, KIND_COLOURS["plain"])
+        x = self.column * self.cell_width
+        y = self.row * self.line_height
+        self.draw.rectangle(
+            (round(x), y + 1, round(x + len(text) * self.cell_width) - 1, y + self.line_height - 2), fill=background
+        )
+        self.draw.text((x, y + self.line_height // 2), text, font=self.font, fill=ink, anchor="lm")
+        self.column += len(text)
+
+    def add(self, token: TokenEvent) -> None:
+        lines = _printable(token.text).split("\n")
+        for number, line in enumerate(lines):
+            if number:
+                self.row, self.column = self.row + 1, 0
+            if self.column + len(line) > self.columns >= len(line) and self.column:
+                self.row, self.column = self.row + 1, 0  # wrap before a token that fits on a line of its own
+            while line:
+                if self.column >= self.columns:
+                    self.row, self.column = self.row + 1, 0
+                room = self.columns - self.column
+                self._segment(line[:room], token.kind)
+                line = line[room:]
+
+    def window(self) -> Image.Image:
+        """The rows in view: the first ones, or the last ones once the text outgrows the pane."""
+        top = max(0, self.row + 1 - self.visible_rows)
+        return self.image.crop(
+            (0, top * self.line_height, self.image.width, (top + self.visible_rows) * self.line_height)
+        )
+
+
+def _plain_text(markup: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", markup)).strip()
+
+
+class _Frames:
+    """Draws the frames of one log at one size."""
+
+    def __init__(self, log: RaceLog, video: VideoSettings) -> None:
+        self.log, self.video = log, video
+        scale = video.width / DESIGN_WIDTH
+        self.scale = scale
+        px = lambda value: max(1, round(value * scale))  # noqa: E731
+        self.px = px
+        self.title_font = _font("DejaVuSans-Bold.ttf", px(21))
+        self.text_font = _font("DejaVuSans.ttf", px(15))
+        self.small_font = _font("DejaVuSans.ttf", px(13))
+        self.head_font = _font("DejaVuSans-Bold.ttf", px(17))
+        self.stats_font = _font("DejaVuSansMono.ttf", px(15))
+        self.big_font = _font("DejaVuSans-Bold.ttf", px(64))
+        self.card_font = _font("DejaVuSans-Bold.ttf", px(26))
+        token_font = _font("DejaVuSansMono.ttf", px(15))
+        margin, gap = px(24), px(20)
+        self.pane_width = (video.width - 2 * margin - gap) // 2
+        self.pane_left = {"plain": margin, "spec": margin + self.pane_width + gap}
+        self.head_top = px(112)
+        self.box_top = self.head_top + px(58)
+        self.footer_top = video.height - px(44)
+        padding = px(10)
+        cell = (token_font.getlength("M"), round(px(15) * 1.55))
+        rows = max(1, (self.footer_top - px(10) - self.box_top - 2 * padding) // cell[1])
+        columns = max(8, int((self.pane_width - 2 * padding) // cell[0]))
+        self.text_origin = padding
+        self.canvases = {side: _TokenCanvas(columns, rows, cell, token_font) for side in SIDES}
+        self.box_height = rows * cell[1] + 2 * padding
+        self.titles = dict(zip(SIDES, pane_titles(log.settings)))
+        self.state = RaceState(None, settings=log.settings)
+        self.timeline = log.timeline()
+        self.next = 0
+        self.ends = {side: (log.rounds(side)[-1].clock if log.rounds(side) else 0.0) for side in SIDES}
+        self.background = self._background()
+
+    def _background(self) -> Image.Image:
+        video, px = self.video, self.px
+        image = Image.new("RGB", (video.width, video.height), BACKGROUND)
+        draw = ImageDraw.Draw(image)
+        settings = self.log.settings
+        draw.text((px(24), px(16)), "Speculative decoding race", font=self.title_font, fill=INK)
+        draw.text((px(24), px(46)), race_title(settings), font=self.text_font, fill="#374151")
+        draw.text((px(24), px(68)), race_details(settings), font=self.small_font, fill=MUTED)
+        x = px(24)
+        for kind, label in (("accepted", "accepted draft"), ("corrected", "corrected"), ("bonus", "bonus"),
+                            ("plain", "plain (target alone)")):
+            background, ink = KIND_COLOURS[kind]
+            width = round(self.small_font.getlength(label)) + px(12)
+            draw.rounded_rectangle((x, px(88), x + width, px(106)), px(3), fill=background)
+            draw.text((x + px(6), px(97)), label, font=self.small_font, fill=ink, anchor="lm")
+            x += width + px(10)
+        for side in SIDES:
+            left = self.pane_left[side]
+            draw.rounded_rectangle(
+                (left, self.box_top, left + self.pane_width, self.box_top + self.box_height),
+                px(8), fill="white", outline=BORDER, width=max(1, px(1)),
+            )
+        return image
+
+    def _advance(self, clock: float) -> None:
+        while self.next < len(self.timeline) and self.timeline[self.next].counters.seconds <= clock:
+            event = self.timeline[self.next]
+            self.next += 1
+            pane = self.state.plain if event.side == "plain" else self.state.spec
+            pane.add(event)
+            for token in event.tokens:
+                if token.kind != REJECTED:
+                    self.canvases[event.side].add(token)
+
+    def _pane_head(self, draw: ImageDraw.ImageDraw, side: str, clock: float) -> None:
+        px = self.px
+        pane = self.state.plain if side == "plain" else self.state.spec
+        left, top = self.pane_left[side], self.head_top
+        title, subtitle = self.titles[side]
+        draw.text((left, top), title, font=self.head_font, fill=INK)
+        chip = f"done ({pane.finish_reason})" if pane.finished else "running…"
+        chip_left = left + round(self.head_font.getlength(title)) + px(10)
+        chip_width = round(self.small_font.getlength(chip)) + px(14)
+        colours = ("#dcfce7", "#166534") if pane.finished else ("#fef3c7", "#92400e")
+        draw.rounded_rectangle((chip_left, top + px(1), chip_left + chip_width, top + px(20)), px(9), fill=colours[0])
+        draw.text((chip_left + px(7), top + px(11)), chip, font=self.small_font, fill=colours[1], anchor="lm")
+        own_clock = min(clock, self.ends[side])
+        counters = pane.counters
+        rate = counters.new_tokens / counters.seconds if counters.seconds > 0 else 0.0
+        stats = (
+            f"{rate:.2f} tok/s  {own_clock:6.2f} s  {counters.new_tokens:4d} tokens  "
+            f"{counters.target_passes:4d} target passes"
+        )
+        draw.text((left, top + px(28)), stats, font=self.stats_font, fill=INK)
+
+    def _footer(self, draw: ImageDraw.ImageDraw, clock: float) -> None:
+        px, video = self.px, self.video
+        left, right = px(24), video.width - px(24)
+        duration = self.log.seconds
+        draw.rounded_rectangle((left, self.footer_top, right, self.footer_top + px(6)), px(3), fill=BORDER)
+        done = left + round((right - left) * (clock / duration if duration > 0 else 1.0))
+        draw.rounded_rectangle((left, self.footer_top, max(left + px(6), done), self.footer_top + px(6)), px(3),
+                               fill=GOOD)
+        speed = f" (shown at {video.speed:g}x)" if video.speed != 1 else ""
+        draw.text((left, self.footer_top + px(12)), f"race clock {clock:6.2f} s of {duration:.2f} s{speed}",
+                  font=self.small_font, fill=MUTED)
+        live = live_speedup(self.state)
+        if live is not None:
+            text = f"speculative ÷ plain tokens/s so far: {live:.2f}×"
+            draw.text((right, self.footer_top + px(12)), text, font=self.small_font, fill=INK, anchor="ra")
+
+    def at(self, clock: float) -> Image.Image:
+        """The frame at this moment of the race clock (moments must not go backwards)."""
+        self._advance(clock)
+        image = self.background.copy()
+        draw = ImageDraw.Draw(image)
+        for side in SIDES:
+            self._pane_head(draw, side, clock)
+            origin = (self.pane_left[side] + self.text_origin, self.box_top + self.text_origin)
+            image.paste(self.canvases[side].window(), origin)
+        self._footer(draw, clock)
+        return image
+
+    def final_card(self, image: Image.Image) -> Image.Image:
+        """The last frame with the final figures on a card in the middle."""
+        px, video = self.px, self.video
+        state = self.state
+        state.done, state.divergence, state.margin = self.log.done, self.log.divergence, self.log.margin
+        shaded = Image.blend(image, Image.new("RGB", image.size, INK), 0.35)
+        draw = ImageDraw.Draw(shaded)
+        width, height = px(760), px(330)
+        left, top = (video.width - width) // 2, (video.height - height) // 2
+        comparison = state.comparison
+        speedup = comparison.speedup if comparison else None
+        accent = GOOD if speedup and speedup >= 1 else BAD
+        draw.rounded_rectangle((left, top, left + width, top + height), px(14), fill="white", outline=accent,
+                               width=px(3))
+        centre = video.width // 2
+        headline = f"{speedup:.2f}× speedup" if speedup else "no speedup measured"
+        draw.text((centre, top + px(64)), headline, font=self.big_font, fill=accent, anchor="mm")
+        draw.text((centre, top + px(118)), "speculative vs plain decoding, tokens/s on each side's own compute time",
+                  font=self.small_font, fill=MUTED, anchor="mm")
+        metrics = state.spec.metrics()
+        figures = [
+            ("acceptance", "–" if metrics.acceptance_rate is None else f"{metrics.acceptance_rate:.0%}"),
+            ("accepted length", "–" if metrics.mean_accepted_length is None else f"{metrics.mean_accepted_length:.2f}"),
+            ("expected speedup",
+             "–" if not comparison or comparison.expected_speedup is None else f"{comparison.expected_speedup:.2f}×"),
+        ]
+        column = width // len(figures)
+        for number, (label, value) in enumerate(figures):
+            x = left + column * number + column // 2
+            draw.text((x, top + px(176)), value, font=self.card_font, fill=INK, anchor="mm")
+            draw.text((x, top + px(206)), label, font=self.small_font, fill=MUTED, anchor="mm")
+        rates = "   ".join(
+            f"{name} {pane.metrics().tokens_per_s:.2f} tok/s in {pane.counters.seconds:.2f} s"
+            for name, pane in (("plain", state.plain), ("speculative", state.spec))
+        )
+        draw.text((centre, top + px(244)), rates, font=self.small_font, fill=INK, anchor="mm")
+        verdict = _plain_text(identical_html(state))
+        colour = GOOD if state.identical else ("#92400e" if state.identical is None else BAD)
+        draw.text((centre, top + px(286)), verdict, font=self.text_font, fill=colour, anchor="mm")
+        return shaded
+
+
+def frames(log: RaceLog, video: VideoSettings = VideoSettings()) -> Iterator[Image.Image]:
+    """Every frame of the recording, in order (RGB images of the chosen size)."""
+    video.validate()
+    drawer = _Frames(log, video)
+    times = frame_times(log, video)
+    racing = len(times) - round(video.hold_seconds * video.fps)
+    last = None
+    for number, clock in enumerate(times):
+        if number < racing:
+            last = drawer.at(clock)
+            yield last
+        else:
+            if number == racing:
+                last = drawer.final_card(last if last is not None else drawer.at(clock))
+            yield last
+
+
+def write_mp4(log: RaceLog, path: str | Path, video: VideoSettings = VideoSettings(),
+              on_frame: FrameCallback | None = None) -> None:
+    """H.264 (yuv420p, fast start) through the ffmpeg that imageio-ffmpeg ships; no system ffmpeg needed."""
+    import imageio_ffmpeg
+
+    total = len(frame_times(log, video))
+    writer = imageio_ffmpeg.write_frames(
+        str(path),
+        (video.width, video.height),
+        fps=video.fps,
+        codec="libx264",
+        quality=None,
+        macro_block_size=2,
+        ffmpeg_log_level="error",
+        output_params=["-preset", "veryfast", "-tune", "stillimage", "-crf", "24", "-movflags", "+faststart"],
+    )
+    writer.send(None)
+    try:
+        for number, image in enumerate(frames(log, video), 1):
+            writer.send(image.tobytes())
+            if on_frame:
+                on_frame(number, total)
+    finally:
+        writer.close()
+
+
+def write_gif(log: RaceLog, path: str | Path, video: VideoSettings = GIF_SETTINGS,
+              on_frame: FrameCallback | None = None) -> None:
+    """An animated GIF on one fixed palette (the final frame's colours), repeating forever."""
+    total = len(frame_times(log, video))
+    drawer = _Frames(log, video)
+    palette = drawer.final_card(drawer.at(log.seconds)).quantize(colors=128, method=Image.Quantize.MEDIANCUT)
+    images = []
+    for number, image in enumerate(frames(log, video), 1):
+        images.append(image.quantize(palette=palette, dither=Image.Dither.NONE))
+        if on_frame:
+            on_frame(number, total)
+    images[0].save(
+        str(path), format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / video.fps), loop=0
+    )
