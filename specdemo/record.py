@@ -1,0 +1,221 @@
+"""``python -m specdemo.record``: race headless and write the race as MP4, GIF, HTML replay and/or JSON log.
+
+The race is the app's own (:class:`specdemo.ui.Racer`: same validation, loading, warm-up, fair interleaving and
+divergence check), taking the bench's and the app's settings under the same names. ``--from FILE`` re-renders a
+saved log (``--json``, the app's download, or a saved ``/race`` response) instead of racing. Every file is written
+under a temporary name and renamed when complete, so a failure leaves no half-written file behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from .racelog import RaceLog, RaceLogError, dump, load
+from .video import GIF_SETTINGS, FrameCallback, VideoSettings, write_gif, write_mp4
+
+logger = logging.getLogger(__name__)
+
+#: the files a race can be written as, in the order they are written (cheap ones first)
+FORMATS = ("json", "html", "gif", "mp4")
+#: options that only make sense when racing (refused with --from)
+RACE_OPTIONS = ("prompt", "prompt_file", "pair", "target", "draft")
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path next to ``path`` (same suffix) that replaces ``path`` when the block succeeds."""
+    partial = path.with_name(f".{path.stem}.partial-{os.getpid()}{path.suffix}")
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        if partial.exists():
+            partial.unlink()
+
+
+def write_recording(
+    log: RaceLog, kind: str, path: str | Path, speed: float = 1.0, on_frame: FrameCallback | None = None
+) -> Path:
+    """Write one rendering of ``log`` (``kind`` from :data:`FORMATS`) atomically; returns the path."""
+    from .html_replay import render_html
+
+    path = Path(path)
+    with atomic_path(path) as partial:
+        if kind == "json":
+            dump(log, partial)
+        elif kind == "html":
+            partial.write_text(render_html(log), encoding="utf-8")
+        elif kind == "mp4":
+            write_mp4(log, partial, VideoSettings(speed=speed), on_frame)
+        elif kind == "gif":
+            write_gif(log, partial, replace(GIF_SETTINGS, speed=speed), on_frame)
+        else:
+            raise ValueError(f"unknown recording format {kind!r}; formats: {', '.join(FORMATS)}")
+    logger.info("Wrote %s", path)
+    return path
+
+
+@dataclass
+class RecordRequest:
+    """What to race (or re-render) and which files to write."""
+
+    outputs: dict[str, Path]  # format -> file
+    speed: float = 1.0
+    source: Path | None = None  # --from: a saved log instead of a race
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m specdemo.record",
+        description="Race plain against speculative decoding (as the app does) and record the race as an MP4, a "
+        "GIF, a self-contained HTML replay and/or a JSON log.",
+    )
+    outputs = parser.add_argument_group("what to write (at least one)")
+    outputs.add_argument("--mp4", type=Path, help="H.264 video, 1280x720, 30 fps, the final card held 2 s")
+    outputs.add_argument("--gif", type=Path, help="animated GIF, 640x360, 10 fps")
+    outputs.add_argument("--html", type=Path, help="self-contained HTML replay (play, pause, speed, scrubber)")
+    outputs.add_argument("--json", type=Path, help="the race log (re-render it later with --from)")
+    outputs.add_argument("--speed", type=float, default=1.0, help="video pace: race seconds per video second "
+                         "(default 1: true timing; 2 compresses a long race to half)")
+    outputs.add_argument("--from", dest="source", type=Path,
+                         help="re-render a saved race log or /race response instead of racing")
+    race = parser.add_argument_group("the race (as in the app and the bench)")
+    race.add_argument("--prompt", help="the prompt text")
+    race.add_argument("--prompt-file", type=Path, help="read the prompt from this text file")
+    race.add_argument("--pair", help="pair preset (default: the offline pair if installed)")
+    race.add_argument("--target", help="target model: offline:NAME, Hub id, local folder or .gguf file")
+    race.add_argument("--draft", help="draft model (same sources as --target)")
+    race.add_argument("--mode", default="draft", help="speculative mode: draft, ngram or uag (default draft)")
+    race.add_argument("--num-draft-tokens", "--draft-tokens", dest="draft_tokens", default="adaptive",
+                      help="k, 'adaptive' (cost-aware) or 'heuristic' (+2/-1)")
+    race.add_argument("--max-new-tokens", type=int, default=128)
+    race.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    race.add_argument("--top-p", type=float, default=1.0)
+    race.add_argument("--seed", type=int, default=0)
+    race.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32")
+    race.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
+    race.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def _request(args: argparse.Namespace) -> RecordRequest:
+    """Check the options that need no model; InputError-like ValueError with one line otherwise."""
+    outputs = {kind: getattr(args, kind) for kind in FORMATS if getattr(args, kind) is not None}
+    if not outputs:
+        raise ValueError("nothing to write: give at least one of --mp4, --gif, --html, --json")
+    for kind, path in outputs.items():
+        folder = path.parent if str(path.parent) else Path(".")
+        if not folder.is_dir():
+            raise ValueError(f"--{kind} {path}: the folder {folder} does not exist")
+        if path.is_dir():
+            raise ValueError(f"--{kind} {path} is a folder: give a file name")
+    if len(set(outputs.values())) < len(outputs):
+        raise ValueError("two outputs name the same file")
+    VideoSettings(speed=args.speed).validate()
+    if args.source is not None:
+        given = [f"--{name.replace('_', '-')}" for name in RACE_OPTIONS if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"--from re-renders a saved race: drop {', '.join(given)}")
+    elif args.prompt is not None and args.prompt_file is not None:
+        raise ValueError("give --prompt or --prompt-file, not both")
+    elif args.prompt is None and args.prompt_file is None:
+        raise ValueError("nothing to race: give --prompt TEXT or --prompt-file FILE (or --from a saved race)")
+    return RecordRequest(outputs, args.speed, args.source)
+
+
+def race_log(args: argparse.Namespace, show_progress: bool) -> RaceLog:
+    """Race as the app does (validation, loading, warm-up, fair interleaving, divergence check); the log."""
+    from .pipeline import InputError
+    from .ui import AppConfig, RaceRequest, Racer  # here, not at the top: --from needs no Gradio
+
+    if args.prompt_file is not None:
+        try:
+            prompt = args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise InputError(f"cannot read the prompt file {args.prompt_file}: {error}") from None
+    else:
+        prompt = args.prompt
+    config = AppConfig(pair=args.pair, device=args.device, dtype=args.dtype, max_new_tokens_limit=32768)
+    racer = Racer(config)
+    request = RaceRequest(
+        prompt,
+        args.pair or config.default_pair(),
+        args.target or "",
+        args.draft or "",
+        args.mode,
+        args.draft_tokens,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_p,
+        args.seed,
+        args.dtype,
+        "none",
+        not args.raw,
+    )
+    with tqdm(total=100, desc="loading", unit="%", disable=not show_progress, leave=False) as bar:
+
+        def report(fraction: float, message: str) -> None:
+            bar.set_description_str(message[:60])
+            bar.update(max(0, round(100 * fraction) - bar.n))
+
+        prepared = racer.prepare(request, report)
+    for warning in prepared.warnings:
+        logger.warning("%s", warning)
+    state = None
+    total = 2 * prepared.settings.max_new_tokens
+    with tqdm(total=total, desc="racing", unit="tok", disable=not show_progress) as bar:
+        for state in racer.run(prepared):
+            bar.update(state.plain.counters.new_tokens + state.spec.counters.new_tokens - bar.n)
+    assert state is not None
+    return state.log()
+
+
+def write_all(log: RaceLog, request: RecordRequest, show_progress: bool) -> None:
+    for kind in FORMATS:
+        path = request.outputs.get(kind)
+        if path is None:
+            continue
+        with tqdm(desc=kind, unit="frame", disable=not show_progress or kind in ("json", "html")) as bar:
+
+            def on_frame(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
+
+            write_recording(log, kind, path, request.speed, on_frame)
+        print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    show_progress = not args.quiet
+    from .models import ModelLoadError
+    from .offline import OfflinePackError
+    from .pipeline import InputError
+
+    try:
+        request = _request(args)
+        log = load(request.source) if request.source is not None else race_log(args, show_progress)
+        write_all(log, request, show_progress)
+    except (InputError, RaceLogError, ModelLoadError, OfflinePackError, ValueError, OSError, RuntimeError) as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: no partial file left behind", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
