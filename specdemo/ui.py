@@ -14,9 +14,12 @@ Structure (everything but :func:`build_app` is testable without a browser):
 
 import gc
 import logging
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 import gradio as gr
 import pandas as pd
@@ -40,6 +43,8 @@ from .pipeline import (
 from .presets import PRESETS, PairPreset, default_preset_key
 from .prompts import Prompt, PromptFileError, load_prompts
 from .race import race
+from .racelog import RaceLog, RaceLogError
+from .record import write_recording
 from .sampling import SamplingSettings
 from .spaces_compat import gpu
 from .views import (  # noqa: F401  # render_token and token_title: re-exported, the app's views used to live here
@@ -678,6 +683,75 @@ def make_handlers(config: AppConfig) -> Handlers:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# recordings of a finished race
+
+#: the files of the download row, in order: the cheap ones (written as soon as a race ends), then the videos
+RECORD_FILES = ("json", "html")
+RECORD_VIDEOS = ("mp4", "gif")
+RECORD_LABELS = {"json": "JSON log", "html": "HTML replay", "mp4": "MP4 video", "gif": "GIF"}
+
+
+class Recorder:
+    """Writes a finished race's recordings for download, from the ``/race`` JSON the page holds (its ``"log"``).
+
+    Runs after the race has ended (chained to it, on the device's queue, so it never competes with a race). Each
+    call writes into a fresh folder under one temporary folder per app and removes all but the latest few (Gradio
+    has copied the files it serves into its own cache by then). A failed render warns in one line and leaves the
+    buttons off; the app keeps serving.
+    """
+
+    def __init__(self, keep: int = 4) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="specdemo-recordings-"))
+        self.keep = keep
+        self.made = 0
+
+    def _folder(self) -> Path:
+        self.made += 1
+        folder = self.root / f"race-{self.made:05d}"
+        folder.mkdir()
+        for old in sorted(self.root.iterdir())[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return folder
+
+    def _write(self, result: dict | None, kinds: Sequence[str]) -> list[Path] | None:
+        """The files of ``kinds`` for the race in ``result``; None when there is none or rendering failed."""
+        if not isinstance(result, dict) or "log" not in result:
+            return None
+        try:
+            log = RaceLog.from_json(result["log"], source="the race's JSON")
+            folder = self._folder()
+            return [write_recording(log, kind, folder / f"specdemo-race.{kind}") for kind in kinds]
+        except (RaceLogError, OSError, ValueError, RuntimeError) as error:
+            logger.exception("Recording the race failed")
+            gr.Warning(f"recording failed: {_first_line(error)}")
+            return None
+
+    @staticmethod
+    def _buttons(kinds: Sequence[str], paths: list[Path] | None) -> list[gr.DownloadButton]:
+        if paths is None:
+            return [gr.DownloadButton(RECORD_LABELS[kind], value=None, interactive=False) for kind in kinds]
+        return [
+            gr.DownloadButton(f"{RECORD_LABELS[kind]} ({path.stat().st_size / 1e6:.2f} MB)", value=str(path),
+                              interactive=True)
+            for kind, path in zip(kinds, paths)
+        ]
+
+    def files(self, result: dict | None) -> tuple:
+        """The JSON log and the HTML replay (milliseconds)."""
+        return tuple(self._buttons(RECORD_FILES, self._write(result, RECORD_FILES)))
+
+    def videos(self, result: dict | None) -> tuple:
+        """The MP4 and the GIF (seconds on a CPU), and the MP4 again for the preview player."""
+        paths = self._write(result, RECORD_VIDEOS)
+        return (*self._buttons(RECORD_VIDEOS, paths), str(paths[0]) if paths else None)
+
+    @classmethod
+    def clear(cls) -> tuple:
+        """Every download off and the preview empty (a new race is starting)."""
+        return (*cls._buttons(RECORD_FILES + RECORD_VIDEOS, None), None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # the page
 
 STOP_JS = (
@@ -838,6 +912,14 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
             with gr.Column(scale=1, min_width=200):
                 identical = gr.HTML(identical_html(None), elem_id="identical")
         status = gr.Markdown("", elem_id="status")
+        with gr.Accordion("Recording of the race (after a run)", open=True):
+            with gr.Row(equal_height=True):
+                downloads = {
+                    kind: gr.DownloadButton(RECORD_LABELS[kind], interactive=False, elem_id=f"download-{kind}")
+                    for kind in RECORD_FILES + RECORD_VIDEOS
+                }
+            video_preview = gr.Video(label="The race as a video (MP4)", interactive=False, format="mp4", height=400,
+                                     elem_id="video-preview")
         with gr.Accordion("Charts (after a run)", open=True):
             with gr.Row():
                 race_plot = gr.LinePlot(
@@ -883,6 +965,26 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
             api_name="race_stream",
             show_progress="minimal",
         )
+        # recordings: only once the race has ended, on the device's queue so that no race runs meanwhile
+        recorder = Recorder()
+        run.click(Recorder.clear, outputs=[*downloads.values(), video_preview], queue=False, api_visibility="private")
+        run_event.success(
+            recorder.files,
+            inputs=result,
+            outputs=[downloads[kind] for kind in RECORD_FILES],
+            concurrency_limit=1,
+            concurrency_id="device",
+            api_visibility="private",
+            show_progress="hidden",
+        ).success(
+            recorder.videos,
+            inputs=result,
+            outputs=[*(downloads[kind] for kind in RECORD_VIDEOS), video_preview],
+            concurrency_limit=1,
+            concurrency_id="device",
+            api_visibility="private",
+            show_progress="minimal",
+        )
         stop.click(fn=None, cancels=[run_event], js=STOP_JS)
         stop.click(lambda: STOPPED_TEXT, outputs=status, queue=False, api_visibility="private")
         pair.change(lambda key: _pair_info(config, key), inputs=pair, outputs=pair_info, queue=False,
@@ -893,6 +995,7 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
         gr.api(handlers.api, api_name="race", concurrency_limit=1, concurrency_id="device")
     demo.queue(max_size=config.max_queue, default_concurrency_limit=1)
     demo.specdemo_handlers = handlers  # for tests and embedding
+    demo.specdemo_recorder = recorder
     return demo
 
 
