@@ -87,7 +87,7 @@ class RaceSettings:
     prompt: str
     prompt_tokens: int
     chat: bool = True
-    pair: str | None = None
+    pair: str | None = None  # the preset raced (None: custom models)
 
     @property
     def greedy(self) -> bool:
@@ -97,6 +97,8 @@ class RaceSettings:
     def from_prepared(cls, prepared: Prepared) -> RaceSettings:
         sampling = prepared.settings.sampling
         device = str(prepared.target.device)
+        request = prepared.request
+        custom = bool((request.target or "").strip() or (request.draft or "").strip())  # the pair is not the preset's
         return cls(
             target=prepared.target_source,
             draft=prepared.draft_source,
@@ -112,7 +114,7 @@ class RaceSettings:
             prompt=prepared.request.prompt,
             prompt_tokens=len(prepared.prompt_ids),
             chat=bool(prepared.request.chat),
-            pair=(prepared.request.pair or "").strip() or None,
+            pair=None if custom else (prepared.request.pair or "").strip() or None,
         )
 
 

@@ -149,7 +149,7 @@ def race_log(args: argparse.Namespace, show_progress: bool) -> RaceLog:
     racer = Racer(config)
     request = RaceRequest(
         prompt,
-        args.pair or config.default_pair(),
+        args.pair,
         args.target or "",
         args.draft or "",
         args.mode,
