@@ -125,3 +125,16 @@ def test_stop_ends_a_running_race(page) -> None:
     assert page.locator("#plain-output .tok").count() == count < 480  # nothing more arrives
     assert "running" not in page.inner_text("#plain-stats")
     assert "pending" in (page.locator("#identical .badge").get_attribute("class") or "")
+
+
+def test_the_race_can_be_downloaded_and_previewed(page) -> None:
+    page.fill("#prompt textarea", PROMPT)
+    page.click("#run")
+    page.wait_for_selector("#identical .badge-same", timeout=60_000)
+    for kind in ("json", "html", "mp4", "gif"):  # the files come after the race, the videos last
+        page.wait_for_selector(f"#download-{kind}:not([disabled])", timeout=60_000)
+        assert "MB)" in page.inner_text(f"#download-{kind}")
+    page.wait_for_selector("#video-preview video[src]", timeout=30_000)
+    with page.expect_download() as download:
+        page.click("#download-html")
+    assert download.value.suggested_filename.endswith(".html")
