@@ -46,6 +46,8 @@ GOOD = "#16a34a"
 BAD = "#dc2626"
 #: the layout is designed for this width and scaled to the chosen one
 DESIGN_WIDTH = 1280
+#: text shrinks with the frame down to this fraction of its design size, no further (a 640-wide GIF stays legible)
+MIN_TEXT_SCALE = 0.72
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,12 @@ class _TokenCanvas:
             if number:
                 self.row, self.column = self.row + 1, 0
             if self.column + len(line) > self.columns >= len(line) and self.column:
-                self.row, self.column = self.row + 1, 0  # wrap before a token that fits on a line of its own
+                # wrap before a token that fits on a line of its own, at its leading space if it has one
+                if line.startswith(" "):
+                    if self.column < self.columns:
+                        self._segment(" ", token.kind)
+                    line = line[1:]
+                self.row, self.column = self.row + 1, 0
             while line:
                 if self.column >= self.columns:
                     self.row, self.column = self.row + 1, 0
@@ -146,6 +153,15 @@ class _TokenCanvas:
         )
 
 
+def _fit(text: str, font: ImageFont.FreeTypeFont, width: int) -> str:
+    """``text``, cut short with an ellipsis where it would be wider than ``width`` pixels."""
+    if font.getlength(text) <= width:
+        return text
+    while text and font.getlength(text + "…") > width:
+        text = text[:-1]
+    return text + "…"
+
+
 def _plain_text(markup: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", markup)).strip()
 
@@ -155,26 +171,26 @@ class _Frames:
 
     def __init__(self, log: RaceLog, video: VideoSettings) -> None:
         self.log, self.video = log, video
-        scale = video.width / DESIGN_WIDTH
-        self.scale = scale
-        px = lambda value: max(1, round(value * scale))  # noqa: E731
-        self.px = px
-        self.title_font = _font("DejaVuSans-Bold.ttf", px(21))
-        self.text_font = _font("DejaVuSans.ttf", px(15))
-        self.small_font = _font("DejaVuSans.ttf", px(13))
-        self.head_font = _font("DejaVuSans-Bold.ttf", px(17))
-        self.stats_font = _font("DejaVuSansMono.ttf", px(15))
-        self.big_font = _font("DejaVuSans-Bold.ttf", px(64))
-        self.card_font = _font("DejaVuSans-Bold.ttf", px(26))
-        token_font = _font("DejaVuSansMono.ttf", px(15))
+        self.scale = video.width / DESIGN_WIDTH
+        px = self.px
+        self.text_scale = max(self.scale, MIN_TEXT_SCALE)
+        size = self.tx
+        self.title_font = _font("DejaVuSans-Bold.ttf", size(21))
+        self.text_font = _font("DejaVuSans.ttf", size(15))
+        self.small_font = _font("DejaVuSans.ttf", size(13))
+        self.head_font = _font("DejaVuSans-Bold.ttf", size(17))
+        self.stats_font = _font("DejaVuSansMono.ttf", size(15))
+        self.big_font = _font("DejaVuSans-Bold.ttf", size(64))
+        self.card_font = _font("DejaVuSans-Bold.ttf", size(26))
+        token_font = _font("DejaVuSansMono.ttf", size(15))
         margin, gap = px(24), px(20)
         self.pane_width = (video.width - 2 * margin - gap) // 2
         self.pane_left = {"plain": margin, "spec": margin + self.pane_width + gap}
-        self.head_top = px(112)
-        self.box_top = self.head_top + px(58)
-        self.footer_top = video.height - px(44)
+        self.head_top = self.tx(112)
+        self.box_top = self.head_top + self.tx(58)
+        self.footer_top = video.height - self.tx(44)
         padding = px(10)
-        cell = (token_font.getlength("M"), round(px(15) * 1.55))
+        cell = (token_font.getlength("M"), round(token_font.size * 1.55))
         rows = max(1, (self.footer_top - px(10) - self.box_top - 2 * padding) // cell[1])
         columns = max(8, int((self.pane_width - 2 * padding) // cell[0]))
         self.text_origin = padding
@@ -187,21 +203,32 @@ class _Frames:
         self.ends = {side: (log.rounds(side)[-1].clock if log.rounds(side) else 0.0) for side in SIDES}
         self.background = self._background()
 
+    def px(self, value: float) -> int:
+        """A length of the 1280-pixel-wide design at this video's size."""
+        return max(1, round(value * self.scale))
+
+    def tx(self, value: float) -> int:
+        """A font size, or a length that holds text, at this video's size (text shrinks less than the frame)."""
+        return max(1, round(value * self.text_scale))
+
     def _background(self) -> Image.Image:
-        video, px = self.video, self.px
+        video, px, tx = self.video, self.px, self.tx
         image = Image.new("RGB", (video.width, video.height), BACKGROUND)
         draw = ImageDraw.Draw(image)
         settings = self.log.settings
-        draw.text((px(24), px(16)), "Speculative decoding race", font=self.title_font, fill=INK)
-        draw.text((px(24), px(46)), race_title(settings), font=self.text_font, fill="#374151")
-        draw.text((px(24), px(68)), race_details(settings), font=self.small_font, fill=MUTED)
+        draw.text((px(24), tx(14)), "Speculative decoding race", font=self.title_font, fill=INK)
+        room = video.width - 2 * px(24)
+        draw.text((px(24), tx(44)), _fit(race_title(settings), self.text_font, room), font=self.text_font,
+                  fill="#374151")
+        draw.text((px(24), tx(66)), _fit(race_details(settings), self.small_font, room), font=self.small_font,
+                  fill=MUTED)
         x = px(24)
         for kind, label in (("accepted", "accepted draft"), ("corrected", "corrected"), ("bonus", "bonus"),
                             ("plain", "plain (target alone)")):
             background, ink = KIND_COLOURS[kind]
-            width = round(self.small_font.getlength(label)) + px(12)
-            draw.rounded_rectangle((x, px(88), x + width, px(106)), px(3), fill=background)
-            draw.text((x + px(6), px(97)), label, font=self.small_font, fill=ink, anchor="lm")
+            width = round(self.small_font.getlength(label)) + tx(12)
+            draw.rounded_rectangle((x, tx(86), x + width, tx(105)), tx(3), fill=background)
+            draw.text((x + tx(6), tx(95.5)), label, font=self.small_font, fill=ink, anchor="lm")
             x += width + px(10)
         for side in SIDES:
             left = self.pane_left[side]
@@ -222,25 +249,22 @@ class _Frames:
                     self.canvases[event.side].add(token)
 
     def _pane_head(self, draw: ImageDraw.ImageDraw, side: str, clock: float) -> None:
-        px = self.px
+        tx = self.tx
         pane = self.state.plain if side == "plain" else self.state.spec
         left, top = self.pane_left[side], self.head_top
-        title, subtitle = self.titles[side]
+        title = self.titles[side][0]
         draw.text((left, top), title, font=self.head_font, fill=INK)
         chip = f"done ({pane.finish_reason})" if pane.finished else "running…"
-        chip_left = left + round(self.head_font.getlength(title)) + px(10)
-        chip_width = round(self.small_font.getlength(chip)) + px(14)
+        chip_left = left + round(self.head_font.getlength(title)) + tx(10)
+        chip_width = round(self.small_font.getlength(chip)) + tx(14)
         colours = ("#dcfce7", "#166534") if pane.finished else ("#fef3c7", "#92400e")
-        draw.rounded_rectangle((chip_left, top + px(1), chip_left + chip_width, top + px(20)), px(9), fill=colours[0])
-        draw.text((chip_left + px(7), top + px(11)), chip, font=self.small_font, fill=colours[1], anchor="lm")
+        draw.rounded_rectangle((chip_left, top + tx(1), chip_left + chip_width, top + tx(20)), tx(9), fill=colours[0])
+        draw.text((chip_left + tx(7), top + tx(11)), chip, font=self.small_font, fill=colours[1], anchor="lm")
         own_clock = min(clock, self.ends[side])
         counters = pane.counters
         rate = counters.new_tokens / counters.seconds if counters.seconds > 0 else 0.0
-        stats = (
-            f"{rate:.2f} tok/s  {own_clock:6.2f} s  {counters.new_tokens:4d} tokens  "
-            f"{counters.target_passes:4d} target passes"
-        )
-        draw.text((left, top + px(28)), stats, font=self.stats_font, fill=INK)
+        stats = f"{rate:.2f} tok/s  {own_clock:.2f} s  {counters.new_tokens} tokens  {counters.target_passes} passes"
+        draw.text((left, top + tx(28)), _fit(stats, self.stats_font, self.pane_width), font=self.stats_font, fill=INK)
 
     def _footer(self, draw: ImageDraw.ImageDraw, clock: float) -> None:
         px, video = self.px, self.video
@@ -251,12 +275,12 @@ class _Frames:
         draw.rounded_rectangle((left, self.footer_top, max(left + px(6), done), self.footer_top + px(6)), px(3),
                                fill=GOOD)
         speed = f" (shown at {video.speed:g}x)" if video.speed != 1 else ""
-        draw.text((left, self.footer_top + px(12)), f"race clock {clock:6.2f} s of {duration:.2f} s{speed}",
+        draw.text((left, self.footer_top + self.tx(12)), f"race clock {clock:6.2f} s of {duration:.2f} s{speed}",
                   font=self.small_font, fill=MUTED)
         live = live_speedup(self.state)
         if live is not None:
             text = f"speculative ÷ plain tokens/s so far: {live:.2f}×"
-            draw.text((right, self.footer_top + px(12)), text, font=self.small_font, fill=INK, anchor="ra")
+            draw.text((right, self.footer_top + self.tx(12)), text, font=self.small_font, fill=INK, anchor="ra")
 
     def at(self, clock: float) -> Image.Image:
         """The frame at this moment of the race clock (moments must not go backwards)."""
@@ -272,23 +296,23 @@ class _Frames:
 
     def final_card(self, image: Image.Image) -> Image.Image:
         """The last frame with the final figures on a card in the middle."""
-        px, video = self.px, self.video
+        tx, video = self.tx, self.video
         state = self.state
         state.done, state.divergence, state.margin = self.log.done, self.log.divergence, self.log.margin
         shaded = Image.blend(image, Image.new("RGB", image.size, INK), 0.35)
         draw = ImageDraw.Draw(shaded)
-        width, height = px(760), px(330)
+        width, height = min(tx(760), video.width - 2 * self.px(24)), min(tx(330), video.height - 2 * self.px(12))
         left, top = (video.width - width) // 2, (video.height - height) // 2
         comparison = state.comparison
         speedup = comparison.speedup if comparison else None
         accent = GOOD if speedup and speedup >= 1 else BAD
-        draw.rounded_rectangle((left, top, left + width, top + height), px(14), fill="white", outline=accent,
-                               width=px(3))
+        draw.rounded_rectangle((left, top, left + width, top + height), tx(14), fill="white", outline=accent,
+                               width=tx(3))
         centre = video.width // 2
         headline = f"{speedup:.2f}× speedup" if speedup else "no speedup measured"
-        draw.text((centre, top + px(64)), headline, font=self.big_font, fill=accent, anchor="mm")
-        draw.text((centre, top + px(118)), "speculative vs plain decoding, tokens/s on each side's own compute time",
-                  font=self.small_font, fill=MUTED, anchor="mm")
+        note = _fit("speculative vs plain decoding, tokens/s on each side's own compute time", self.small_font, width)
+        draw.text((centre, top + tx(64)), headline, font=self.big_font, fill=accent, anchor="mm")
+        draw.text((centre, top + tx(118)), note, font=self.small_font, fill=MUTED, anchor="mm")
         metrics = state.spec.metrics()
         figures = [
             ("acceptance", "–" if metrics.acceptance_rate is None else f"{metrics.acceptance_rate:.0%}"),
@@ -299,16 +323,16 @@ class _Frames:
         column = width // len(figures)
         for number, (label, value) in enumerate(figures):
             x = left + column * number + column // 2
-            draw.text((x, top + px(176)), value, font=self.card_font, fill=INK, anchor="mm")
-            draw.text((x, top + px(206)), label, font=self.small_font, fill=MUTED, anchor="mm")
+            draw.text((x, top + tx(176)), value, font=self.card_font, fill=INK, anchor="mm")
+            draw.text((x, top + tx(206)), label, font=self.small_font, fill=MUTED, anchor="mm")
         rates = "   ".join(
             f"{name} {pane.metrics().tokens_per_s:.2f} tok/s in {pane.counters.seconds:.2f} s"
             for name, pane in (("plain", state.plain), ("speculative", state.spec))
         )
-        draw.text((centre, top + px(244)), rates, font=self.small_font, fill=INK, anchor="mm")
+        draw.text((centre, top + tx(244)), rates, font=self.small_font, fill=INK, anchor="mm")
         verdict = _plain_text(identical_html(state))
         colour = GOOD if state.identical else ("#92400e" if state.identical is None else BAD)
-        draw.text((centre, top + px(286)), verdict, font=self.text_font, fill=colour, anchor="mm")
+        draw.text((centre, top + tx(286)), verdict, font=self.text_font, fill=colour, anchor="mm")
         return shaded
 
 

@@ -10,14 +10,12 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import tiny_app
 from specdemo import html_replay, racelog, record, ui, video
-from specdemo.engine import REJECTED
 from specdemo.racelog import RaceLog, RaceLogError
 from specdemo.views import RaceState
 
