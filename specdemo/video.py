@@ -44,6 +44,8 @@ MUTED = "#6b7280"
 BORDER = "#e5e7eb"
 GOOD = "#16a34a"
 BAD = "#dc2626"
+#: the identical-output badge's text colour, by the badge's kind (as in the app's CSS)
+BADGE_COLOURS = {"same": "#166534", "tie": "#92400e", "diff": "#991b1b", "info": "#075985", "pending": MUTED}
 #: the layout is designed for this width and scaled to the chosen one
 DESIGN_WIDTH = 1280
 #: text shrinks with the frame down to this fraction of its design size, no further (a 640-wide GIF stays legible)
@@ -330,8 +332,9 @@ class _Frames:
             for name, pane in (("plain", state.plain), ("speculative", state.spec))
         )
         draw.text((centre, top + tx(244)), rates, font=self.small_font, fill=INK, anchor="mm")
-        verdict = _plain_text(identical_html(state))
-        colour = GOOD if state.identical else ("#92400e" if state.identical is None else BAD)
+        badge = identical_html(state)
+        verdict = _plain_text(badge)
+        colour = BADGE_COLOURS.get(re.search(r"badge-(\w+)", badge)[1], INK)
         draw.text((centre, top + tx(286)), verdict, font=self.text_font, fill=colour, anchor="mm")
         return shaded
 
