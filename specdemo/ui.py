@@ -17,6 +17,7 @@ import logging
 import shutil
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -702,6 +703,7 @@ class Recorder:
 
     def __init__(self, keep: int = 4) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="specdemo-recordings-"))
+        weakref.finalize(self, shutil.rmtree, self.root, ignore_errors=True)
         self.keep = keep
         self.made = 0
 
