@@ -199,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     show_progress = not args.quiet
+    if args.quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     from .models import ModelLoadError
     from .offline import OfflinePackError
     from .pipeline import InputError

@@ -382,12 +382,28 @@ def write_mp4(log: RaceLog, path: str | Path, video: VideoSettings = VideoSettin
         writer.close()
 
 
+def _palette(log: RaceLog, video: VideoSettings) -> Image.Image:
+    """One palette for every frame of a GIF: the colours of the last race frame, of the final card, and of every
+    token kind (so a kind that has scrolled out of view by the end keeps its colour earlier on)."""
+    drawer = _Frames(log, video)
+    last = drawer.at(log.seconds)
+    card = drawer.final_card(last)
+    sample = Image.new("RGB", (video.width, 2 * video.height + 64), "white")
+    sample.paste(last, (0, 0))
+    sample.paste(card, (0, video.height))
+    draw = ImageDraw.Draw(sample)
+    colours = [colour for pair in KIND_COLOURS.values() for colour in pair]
+    width = video.width // len(colours)
+    for number, colour in enumerate(colours):
+        draw.rectangle((number * width, 2 * video.height, (number + 1) * width, 2 * video.height + 64), fill=colour)
+    return sample.quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+
+
 def write_gif(log: RaceLog, path: str | Path, video: VideoSettings = GIF_SETTINGS,
               on_frame: FrameCallback | None = None) -> None:
     """An animated GIF on one fixed palette (the final frame's colours), repeating forever."""
     total = len(frame_times(log, video))
-    drawer = _Frames(log, video)
-    palette = drawer.final_card(drawer.at(log.seconds)).quantize(colors=128, method=Image.Quantize.MEDIANCUT)
+    palette = _palette(log, video)
     images = []
     for number, image in enumerate(frames(log, video), 1):
         images.append(image.quantize(palette=palette, dither=Image.Dither.NONE))

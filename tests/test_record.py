@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -249,13 +250,26 @@ def test_frames_keep_the_latest_text_in_view_when_it_overflows(log: RaceLog) -> 
     assert frames[-1].size == (640, 360)
 
 
-def test_gif(log: RaceLog, tmp_path: Path) -> None:
+def test_gif_keeps_every_kind_colour(log: RaceLog, tmp_path: Path) -> None:
+    import numpy as np
     from PIL import Image
+
+    from specdemo.views import KIND_COLOURS
 
     path = tmp_path / "race.gif"
     record.write_recording(log, "gif", path, speed=2.0)
+    settings = replace(video.GIF_SETTINGS, speed=2.0)
+    racing = len(video.frame_times(log, settings)) - round(settings.hold_seconds * settings.fps)
+    drawn = np.asarray(list(video.frames(log, settings))[racing // 2], dtype=int)
     with Image.open(path) as gif:
         assert gif.size == (640, 360) and gif.n_frames >= 2 and gif.info.get("loop") == 0
+        gif.seek(racing // 2)  # frames before the held card are all distinct here: the clocks tick
+        shown = np.asarray(gif.convert("RGB"), dtype=int)
+    for background, _ in KIND_COLOURS.values():
+        colour = np.array([int(background[i : i + 2], 16) for i in (1, 3, 5)])
+        drawn_there = (drawn == colour).all(axis=2)
+        if drawn_there.sum() > 20:  # the kind is on screen: the GIF shows its colour there, near enough
+            assert np.abs(shown[drawn_there] - colour).max(axis=1).mean() < 12, background
     assert not list(tmp_path.glob(".*partial*"))
 
 
