@@ -4,14 +4,15 @@
   :class:`~specdemo.engine.RoundEvent` objects (live in the app, or rebuilt from a :class:`~specdemo.racelog.RaceLog`);
 - HTML views: :func:`render_token` (a token span coloured by kind, probabilities in its hover title),
   :func:`legend_html`, :func:`pane_stats_html`, :func:`speedup_html`, :func:`figures_html`, :func:`identical_html`
-  and :data:`CSS`, the stylesheet they need.
+  and :data:`CSS`, the stylesheet they need (its token colours are :data:`KIND_COLOURS`, which the video uses too);
+- text: :func:`pane_titles`, and :func:`race_title` / :func:`race_details`, the lines that name a race.
 """
 
 from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from .engine import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, RoundEvent, TokenEvent
 from .metrics import Comparison, RunMetrics, compare, run_metrics
@@ -162,10 +163,6 @@ def render_token(token: TokenEvent) -> str:
         f'<span class="tok tok-{kind}" title="{html.escape(token_title(token), quote=True)}">'
         f"{html.escape(token.text, quote=True)}</span>"
     )
-
-
-def render_tokens(tokens: Sequence[TokenEvent]) -> str:
-    return "".join(render_token(t) for t in tokens)
 
 
 def legend_html() -> str:
