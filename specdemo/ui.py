@@ -12,8 +12,8 @@ Structure (everything but :func:`build_app` is testable without a browser):
 - :func:`build_app`: the Blocks page; :func:`launch` adds the page's CSS.
 """
 
-import gc
 import html
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,7 +26,7 @@ import torch
 from .bench import divergence, divergence_margin
 from .engine import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, GenerationSettings, RoundEvent, TokenEvent, collect
 from .metrics import Comparison, RunMetrics, compare, run_metrics
-from .models import LoadedModel, LoadSettings, ModelLoadError, clear_model_cache, load_model
+from .models import CacheKey, LoadedModel, LoadSettings, ModelLoadError, cache_key, load_model, resolve_device
 from .offline import OfflinePackError
 from .pipeline import (
     MODES_NEEDING_DRAFT,
@@ -35,8 +35,12 @@ from .pipeline import (
     SpecSettings,
     check_lengths,
     check_pair,
+    check_prompt_chars,
+    check_prompt_tokens,
+    default_max_prompt_tokens,
     encode_prompt,
     plain_events,
+    release_models,
     spec_events,
 )
 from .presets import PRESETS, PairPreset, default_preset_key
@@ -46,6 +50,11 @@ from .sampling import SamplingSettings
 from .spaces_compat import gpu
 
 logger = logging.getLogger(__name__)
+#: one structured line per race (pair, mode, sizes, seconds, speedup, how it ended; never the prompt's text)
+race_logger = logging.getLogger(__name__ + ".races")
+
+#: why a race stopped before both sides finished
+TIME_BUDGET = "time budget"
 
 Loader = Callable[..., LoadedModel]  # load_model(source, settings, progress=..., on_progress=...)
 
@@ -124,12 +133,15 @@ class AppConfig:
     custom_models: bool = True  # show the custom target/draft boxes (switch off for hosted use)
     presets: dict[str, PairPreset] = field(default_factory=lambda: dict(PRESETS))
     loader: Loader = load_model
-    #: called before loading a different target, to free the previous pair's memory (None: keep everything)
-    forget_models: Callable[[], None] | None = clear_model_cache
+    #: called when the pair changes, with the cache keys of the new pair's models, to free every other model
+    #: (None: keep everything)
+    forget_models: Callable[[frozenset[CacheKey]], None] | None = release_models
     update_interval: float = 0.25  # seconds between UI updates during a race (the final state is always sent)
     max_new_tokens: int = 128
     draft_tokens: str = "adaptive"  # the draft-tokens control's initial value: adaptive, heuristic or "1".."12"
     max_new_tokens_limit: int = 2048
+    max_prompt_tokens: int | None = None  # cap on prompt tokens; None: 2,048 on a CPU, more on a GPU
+    race_time_budget: float | None = None  # seconds of wall clock per race before it stops; None: no limit
     warmup_tokens: int = 16  # an untimed warm-up race of this many tokens the first time a pair runs (0: none)
     examples: list[Prompt] | None = None  # None: the bundled prompt set
     quantization_reason: str | None = "auto"  # "auto": detect; None: available; text: why it is disabled
@@ -145,6 +157,16 @@ class AppConfig:
         if set(PRESETS) <= set(self.presets):
             return default_preset_key()
         return next(iter(self.presets))
+
+    def prompt_token_limit(self) -> int:
+        """The cap on prompt tokens: the configured one, else the default for this app's device."""
+        if self.max_prompt_tokens is not None:
+            return self.max_prompt_tokens
+        try:
+            device_type = resolve_device(self.device).type
+        except (ModelLoadError, RuntimeError, ValueError):
+            device_type = "cpu"
+        return default_max_prompt_tokens(device_type)
 
     def quantization_unavailable(self) -> str | None:
         if self.quantization_reason == "auto":
@@ -188,6 +210,7 @@ class Prepared:
     warnings: list[str] = field(default_factory=list)
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
+    pair: str | None = None  # the preset raced (None: custom models)
 
 
 def parse_draft_tokens(value: str | int | None) -> str | int:
@@ -281,6 +304,10 @@ class PaneState:
     def html(self) -> str:
         return "".join(self.spans)
 
+    def output_ids(self) -> list[int]:
+        """The ids written so far (the whole output once finished)."""
+        return list(self.ids) if self.finished else [t.id for t in self.tokens]
+
     def metrics(self) -> RunMetrics:
         return run_metrics(self.counters)
 
@@ -295,6 +322,7 @@ class RaceState:
     done: bool = False
     divergence: int | None = None
     margin: float | None = None
+    stop_reason: str | None = None  # set when the race ended before both sides finished (e.g. the time budget)
 
     @property
     def comparison(self) -> Comparison | None:
@@ -321,7 +349,7 @@ class Racer:
     def __init__(self, config: AppConfig) -> None:
         self.config = config
         self._warm: set[tuple[int, int | None, str]] = set()
-        self._target_key: tuple | None = None
+        self._pair: frozenset[CacheKey] | None = None  # cache keys of the pair that ran last
 
     # -- validation and loading ------------------------------------------------------------------------------
 
@@ -348,10 +376,19 @@ class Racer:
 
     def prepare(self, request: RaceRequest, on_progress: Callable[[float, str], None] | None = None) -> Prepared:
         """Validate, load (reporting progress in [0, 1]), encode; InputError with one plain line otherwise."""
+        try:
+            return self._prepare(request, on_progress)
+        except InputError as error:
+            log_refusal(str(error))
+            raise
+
+    def _prepare(self, request: RaceRequest, on_progress: Callable[[float, str], None] | None) -> Prepared:
         config = self.config
         report = on_progress or (lambda fraction, message: None)
         if not isinstance(request.prompt, str) or not request.prompt.strip():
             raise InputError("the prompt is empty: type something or pick an example")
+        max_prompt_tokens = config.prompt_token_limit()
+        check_prompt_chars(request.prompt, max_prompt_tokens)
         max_new_tokens = parse_max_new_tokens(request.max_new_tokens, config.max_new_tokens_limit)
         if request.mode not in SPEC_MODES:
             raise InputError(f"unknown mode {request.mode!r}; choose one of: {', '.join(SPEC_MODES)}")
@@ -387,25 +424,18 @@ class Racer:
         # loading (the first offline load joins and converts the pack: minutes, with progress)
         started = time.perf_counter()
         target_settings = LoadSettings(dtype=dtype, device=config.device, quantization=quantization)
-        target_key = (target_source, dtype, config.device, quantization)
-        if self._target_key is not None and self._target_key != target_key and config.forget_models is not None:
-            logger.info("Switching target to %s: freeing the previous pair", target_source)
-            self._warm.clear()
-            config.forget_models()
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        draft_settings = LoadSettings(dtype=dtype, device=config.device)
+        self._switch_pair(target_source, target_settings, draft_source, draft_settings)
         share = 0.5 if draft_source else 1.0
         target = self._load(target_source, target_settings, lambda f, m: report(share * f, m), "target")
-        self._target_key = target_key
+        # the prompt is measured with the target's tokenizer before the draft loads or any pass runs
+        prompt_ids = encode_prompt(target, request.prompt, chat=bool(request.chat))
+        check_prompt_tokens(prompt_ids, max_prompt_tokens)
+        check_lengths(target, prompt_ids, settings)
         draft = None
         if draft_source:
-            draft_settings = LoadSettings(dtype=dtype, device=config.device)
             draft = self._load(draft_source, draft_settings, lambda f, m: report(0.5 + 0.5 * f, m), "draft")
         load_seconds = time.perf_counter() - started
-
-        prompt_ids = encode_prompt(target, request.prompt, chat=bool(request.chat))
-        check_lengths(target, prompt_ids, settings)
         check_pair(spec.mode, target, draft)
 
         warnings: list[str] = []
@@ -422,7 +452,8 @@ class Racer:
                 "so the texts will differ."
             )
         prepared = Prepared(
-            request, target, draft, target_source, draft_source, prompt_ids, settings, spec, warnings, load_seconds
+            request, target, draft, target_source, draft_source, prompt_ids, settings, spec, warnings, load_seconds,
+            pair=preset.key if preset and (target_source, draft_source or preset.draft) == (preset.target, preset.draft) else None,
         )
         try:
             prepared.warmup_seconds = self.warm_up(prepared, report)
@@ -430,6 +461,23 @@ class Racer:
             logger.exception("The warm-up run failed")
             raise InputError(f"the warm-up run failed: {_first_line(error)}") from None
         return prepared
+
+    def _switch_pair(
+        self, target_source: str, target_settings: LoadSettings, draft_source: str | None, draft_settings: LoadSettings
+    ) -> None:
+        """When the pair changes, free every model the new pair does not use (the int8 copies go with them)."""
+        try:
+            keys = {cache_key(target_source, target_settings)}
+            if draft_source:
+                keys.add(cache_key(draft_source, draft_settings))
+        except ModelLoadError as error:
+            raise InputError(_first_line(error)) from None
+        pair = frozenset(keys)
+        if self._pair is not None and pair != self._pair and self.config.forget_models is not None:
+            logger.info("Switching pair to %s: freeing the models it does not use", " + ".join(sorted(k[0] for k in pair)))
+            self._warm.clear()
+            self.config.forget_models(pair)
+        self._pair = pair
 
     def _load(self, source: str, settings: LoadSettings, report: Callable[[float, str], None], role: str) -> LoadedModel:
         report(0.0, f"Loading the {role}: {source}")
@@ -460,32 +508,81 @@ class Racer:
     def run(self, prepared: Prepared) -> Iterator[RaceState]:
         """One race; yields the state after every round, and once more when the figures are final.
 
-        Closing this generator (the Stop button) closes the race, which closes both decoders.
+        Closing this generator (the Stop button, a cancelled or disconnected API client) closes the race, which
+        closes both decoders. When the race outlives the configured time budget it stops there, with the figures
+        of what both sides wrote so far. Every race ends with one line in the race log.
         """
         state = RaceState(prepared)
         plain = plain_events(prepared.target, prepared.prompt_ids, prepared.settings)
         spec = spec_events(prepared.target, prepared.draft, prepared.prompt_ids, prepared.settings, prepared.spec)
         events = race(plain, spec)
+        budget = self.config.race_time_budget
+        started = time.perf_counter()
+        ended = "cancelled"  # until the race reaches an end of its own
         try:
             for event in events:
                 (state.plain if event.side == "plain" else state.spec).add(event)
                 yield state
+                both_finished = state.plain.finished and state.spec.finished
+                if budget is not None and not both_finished and time.perf_counter() - started > budget:
+                    state.stop_reason = TIME_BUDGET
+                    break
+            events.close()
+            self.finish(state)
+            ended = state.stop_reason or "done"
+            yield state
+        except Exception:
+            ended = "error"
+            raise
         finally:
             events.close()
-        self.finish(state)
-        yield state
+            log_race(state, ended, time.perf_counter() - started)
 
     def finish(self, state: RaceState) -> None:
         prepared = state.prepared
         assert prepared is not None
-        position = divergence(state.plain.ids, state.spec.ids)
+        plain_ids, spec_ids = state.plain.output_ids(), state.spec.output_ids()
+        if state.stop_reason is not None:  # compare what both sides wrote
+            plain_ids, spec_ids = plain_ids[: len(spec_ids)], spec_ids[: len(plain_ids)]
+        position = divergence(plain_ids, spec_ids)
         state.divergence = position
-        if position is not None and position < len(state.plain.ids) and state.greedy:
+        if position is not None and position < len(plain_ids) and state.greedy:
             try:
-                state.margin = divergence_margin(prepared.target, prepared.prompt_ids, state.plain.ids, position)
+                state.margin = divergence_margin(prepared.target, prepared.prompt_ids, plain_ids, position)
             except RuntimeError:  # pragma: no cover - out of memory and the like: the badge says less
                 logger.exception("Could not compute the divergence margin")
         state.done = True
+
+
+def log_race(state: RaceState, ended: str, seconds: float) -> None:
+    """One structured line (JSON) about a race that ran: never the prompt's text."""
+    prepared = state.prepared
+    comparison = state.comparison if ended != "error" else None
+    record: dict[str, Any] = {
+        "ended": ended,
+        "seconds": round(seconds, 3),
+        "new_tokens": {"plain": state.plain.counters.new_tokens, "spec": state.spec.counters.new_tokens},
+        "speedup": None if comparison is None or comparison.speedup is None else round(comparison.speedup, 4),
+        "identical": state.identical,
+    }
+    if prepared is not None:
+        record = {
+            "pair": prepared.pair,
+            "target": prepared.target_source,
+            "draft": prepared.draft_source,
+            "mode": prepared.spec.mode,
+            "dtype": str(prepared.target.dtype).replace("torch.", ""),
+            "device": str(prepared.target.device),
+            "prompt_tokens": len(prepared.prompt_ids),
+            "max_new_tokens": prepared.settings.max_new_tokens,
+            **record,
+        }
+    race_logger.info("race %s", json.dumps(record, sort_keys=False))
+
+
+def log_refusal(reason: str) -> None:
+    """One structured line about a request refused before it raced (the reason, never the prompt's text)."""
+    race_logger.info("race %s", json.dumps({"ended": "refused", "reason": reason}))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -636,6 +733,12 @@ def identical_html(state: RaceState | None) -> str:
     if state is None or not state.done:
         text = "comparing when both finish…" if state is not None else "identical output?"
         return f'<div class="badge badge-pending">{html.escape(text)}</div>'
+    if state.divergence is None and state.stop_reason is not None:
+        compared = min(len(state.plain.tokens), len(state.spec.tokens))
+        return (
+            f'<div class="badge badge-same" title="the race stopped early; both outputs agree as far as both got">'
+            f"✓ identical so far ({compared} tokens; stopped: {html.escape(state.stop_reason)})</div>"
+        )
     if state.divergence is None:
         return (
             f'<div class="badge badge-same" title="speculative output equals plain output token for token">'
@@ -668,6 +771,11 @@ def status_text(state: RaceState | None) -> str:
     comparison = state.comparison
     speed = f"{comparison.speedup:.2f}×" if comparison and comparison.speedup else "–"
     load = f" Models ready in {prepared.load_seconds:.1f} s." if prepared and prepared.load_seconds > 1 else ""
+    if state.stop_reason is not None:
+        return (
+            f"Stopped ({state.stop_reason}): so far speculative decoding ran {speed} as fast as plain decoding "
+            f"({state.plain.counters.new_tokens} and {state.spec.counters.new_tokens} tokens written).{load}"
+        )
     return f"Done: speculative decoding ran {speed} as fast as plain decoding.{load}"
 
 
@@ -739,7 +847,8 @@ def result_dict(state: RaceState, stopped: bool = False) -> dict[str, Any]:
         "divergence": None
         if state.divergence is None
         else {"position": state.divergence, "logit_margin": state.margin},
-        "stopped": stopped,
+        "stopped": stopped or state.stop_reason is not None,
+        "stop_reason": state.stop_reason,
     }
     if prepared is not None:
         sampling = prepared.settings.sampling
@@ -759,6 +868,15 @@ def result_dict(state: RaceState, stopped: bool = False) -> dict[str, Any]:
             }
         )
     return result
+
+
+def progress_dict(state: RaceState) -> dict[str, Any]:
+    """What the ``/race`` API streams while a race runs: tokens written and own compute seconds per side."""
+    return {
+        "running": True,
+        "plain": {"new_tokens": state.plain.counters.new_tokens, "seconds": state.plain.counters.seconds},
+        "spec": {"new_tokens": state.spec.counters.new_tokens, "seconds": state.spec.counters.seconds},
+    }
 
 
 def pane_titles(prepared: Prepared | None) -> tuple[tuple[str, str], tuple[str, str]]:
@@ -909,8 +1027,13 @@ def make_handlers(config: AppConfig) -> Handlers:
         target: str = "",
         draft: str = "",
         dtype: str = "",
-    ) -> dict:
-        """Run one race to the end; returns the final texts, per-token kinds and metrics as JSON."""
+    ) -> Iterator[dict]:
+        """Run one race to the end: a short progress object after every round, then the final texts, per-token
+        kinds and metrics as JSON (``client.predict`` returns that last one).
+
+        Yielding every round lets the queue close the race within one round when the client cancels or
+        disconnects, so the worker is free for the next visitor.
+        """
         request = RaceRequest(
             prompt, pair or None, target, draft, mode, draft_tokens, max_new_tokens, temperature, top_p, seed,
             dtype or config.dtype, "none", chat,
@@ -919,15 +1042,20 @@ def make_handlers(config: AppConfig) -> Handlers:
             prepared = racer.prepare(request)
         except InputError as error:
             raise gr.Error(str(error), print_exception=False) from None
+        states = racer.run(prepared)
         state = None
         try:
-            for state in racer.run(prepared):
-                pass
+            for state in states:
+                if state.done:
+                    break
+                yield progress_dict(state)
         except (RuntimeError, ValueError) as error:
             logger.exception("The race failed")
             raise gr.Error(f"the race failed: {_first_line(error)}", print_exception=False) from None
+        finally:
+            states.close()
         assert state is not None
-        return result_dict(state)
+        yield result_dict(state)
 
     return Handlers(racer, gpu(race_handler, duration=config.gpu_duration), gpu(api_race, duration=config.gpu_duration))
 
@@ -1201,9 +1329,11 @@ def preload(demo: gr.Blocks) -> None:
     config = racer.config
     key = config.default_pair()
     preset = config.presets[key]
+    settings = LoadSettings(dtype=config.dtype, device=config.device)
     try:
-        racer._load(preset.target, LoadSettings(dtype=config.dtype, device=config.device), lambda f, m: None, "target")
-        racer._load(preset.draft, LoadSettings(dtype=config.dtype, device=config.device), lambda f, m: None, "draft")
+        racer._switch_pair(preset.target, settings, preset.draft, settings)
+        racer._load(preset.target, settings, lambda f, m: None, "target")
+        racer._load(preset.draft, settings, lambda f, m: None, "draft")
     except InputError as error:
         logger.warning("Preloading %s failed: %s", key, error)
 
