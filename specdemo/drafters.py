@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .lm import CachedLM
+from .memory import return_free_memory
 from .sampling import SamplingSettings, target_distribution
 
 logger = logging.getLogger(__name__)
@@ -194,6 +195,7 @@ def int8_copy(model: PreTrainedModel) -> PreTrainedModel | None:
         warnings.simplefilter("ignore")
         quantized = quantize_dynamic(clone, spec, dtype=torch.qint8)
     _INT8_COPIES[model] = quantized
+    return_free_memory()  # the float32 weights the int8 layers replaced
     return quantized
 
 

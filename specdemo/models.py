@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import offline
+from .memory import return_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +218,7 @@ def load_model(
         if hit is not None:
             return hit
         loaded = _load_uncached(source, settings, device, dtype, progress, on_progress)
+        return_free_memory()  # e.g. the float32 tensors a bfloat16 model was cast from
         with _cache_lock:
             _cache[key] = loaded
         return loaded

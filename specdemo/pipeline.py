@@ -5,9 +5,6 @@ The bench and the app both go through here, so a mode means the same thing every
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import logging
 from dataclasses import dataclass
 from typing import Collection, Iterator
@@ -18,6 +15,7 @@ from .draft_length import make_policy
 from .drafters import NGRAM_PREFERENCES, DraftModelDrafter, Drafter, NgramDrafter
 from .engine import GenerationSettings, RoundEvent, plain_decode, seeded_generator, speculative_decode
 from .lm import CachedLM
+from .memory import return_free_memory
 from .models import CacheKey, LoadedModel, clear_model_cache, same_tokenizer
 from .uag import UniversalDrafter, shared_vocabulary, token_bytes
 
@@ -38,7 +36,11 @@ MAX_CHARS_PER_TOKEN = 12
 
 
 class InputError(ValueError):
-    """Bad user input, with a message fit to show as is."""
+    """Bad user input, with a message fit to show as is; ``field`` names the input at fault when one is."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -129,15 +131,9 @@ def release_models(keep: Collection[CacheKey] = ()) -> None:
     clear_model_cache(keep)
     token_bytes.cache_clear()
     shared_vocabulary.cache_clear()
-    gc.collect()
+    return_free_memory()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    libc_name = ctypes.util.find_library("c")
-    if libc_name:
-        try:
-            ctypes.CDLL(libc_name).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
 
 
 def check_pair(mode: str, target: LoadedModel, draft: LoadedModel | None) -> None:

@@ -16,6 +16,7 @@ import html
 import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -25,6 +26,7 @@ import torch
 
 from .bench import divergence, divergence_margin
 from .engine import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, GenerationSettings, RoundEvent, TokenEvent, collect
+from .memory import resident_gb
 from .metrics import Comparison, RunMetrics, compare, run_metrics
 from .models import CacheKey, LoadedModel, LoadSettings, ModelLoadError, cache_key, load_model, resolve_device
 from .offline import OfflinePackError
@@ -89,6 +91,21 @@ OUTPUTS = (
     "length_plot",
     "position_plot",
     "result",
+)
+#: the ``/race`` API's inputs, in order
+API_INPUTS = (
+    "prompt",
+    "pair",
+    "mode",
+    "draft_tokens",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "chat",
+    "target",
+    "draft",
+    "dtype",
 )
 #: the Run handler's inputs, in order
 INPUTS = (
@@ -211,6 +228,31 @@ class Prepared:
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
     pair: str | None = None  # the preset raced (None: custom models)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A request that passed every check that needs no model (see :meth:`Racer.check`)."""
+
+    settings: GenerationSettings
+    spec: SpecSettings
+    dtype: str
+    quantization: str | None
+    target_source: str
+    draft_source: str | None
+    preset: PairPreset | None
+    max_prompt_tokens: int
+
+
+@contextmanager
+def _blame(field: str) -> Iterator[None]:
+    """Turn an InputError or ValueError raised inside into an InputError that names ``field``."""
+    try:
+        yield
+    except InputError as error:
+        raise InputError(str(error), error.field or field) from None
+    except ValueError as error:
+        raise InputError(_first_line(error), field) from None
 
 
 def parse_draft_tokens(value: str | int | None) -> str | int:
@@ -382,50 +424,68 @@ class Racer:
             log_refusal(str(error))
             raise
 
+    def check(self, request: RaceRequest) -> Checked:
+        """Every check that needs no model (milliseconds): InputError naming the input at fault otherwise.
+
+        The app runs it as the queue's validator too, so bad input is refused at once, never after waiting
+        behind other visitors' races.
+        """
+        config = self.config
+        with _blame("prompt"):
+            if not isinstance(request.prompt, str) or not request.prompt.strip():
+                raise InputError("the prompt is empty: type something or pick an example")
+            max_prompt_tokens = config.prompt_token_limit()
+            check_prompt_chars(request.prompt, max_prompt_tokens)
+        with _blame("max_new_tokens"):
+            max_new_tokens = parse_max_new_tokens(request.max_new_tokens, config.max_new_tokens_limit)
+        with _blame("mode"):
+            if request.mode not in SPEC_MODES:
+                raise InputError(f"unknown mode {request.mode!r}; choose one of: {', '.join(SPEC_MODES)}")
+        with _blame("draft_tokens"):
+            spec = SpecSettings(mode=request.mode, draft_length=parse_draft_tokens(request.draft_tokens))
+            spec.validate()
+        with _blame("temperature"):
+            try:
+                temperature = float(request.temperature or 0.0)
+                top_p = float(request.top_p if request.top_p is not None else 1.0)
+            except (TypeError, ValueError):
+                raise InputError("temperature and top-p must be numbers") from None
+        with _blame("seed"):
+            sampling = SamplingSettings(temperature=temperature, top_p=top_p, seed=parse_seed(request.seed))
+        with _blame("temperature"):
+            settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling)
+            settings.validate()
+        with _blame("dtype"):
+            dtype = (request.dtype or config.dtype or "auto").strip().lower()
+            if dtype not in DTYPES:
+                raise InputError(f"unknown dtype {request.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        with _blame("quantization"):
+            quant_key = (request.quantization or "none").strip().lower()
+            if quant_key not in QUANTIZATIONS:
+                raise InputError(f"unknown quantization {request.quantization!r}; use none, 8bit or 4bit")
+            quantization = QUANTIZATIONS[quant_key]
+            if quantization is not None:
+                reason = config.quantization_unavailable()
+                if reason:
+                    raise InputError(reason)
+        with _blame("pair"):
+            target_source, draft_source, preset = self.sources(request)
+        return Checked(settings, spec, dtype, quantization, target_source, draft_source, preset, max_prompt_tokens)
+
     def _prepare(self, request: RaceRequest, on_progress: Callable[[float, str], None] | None) -> Prepared:
         config = self.config
         report = on_progress or (lambda fraction, message: None)
-        if not isinstance(request.prompt, str) or not request.prompt.strip():
-            raise InputError("the prompt is empty: type something or pick an example")
-        max_prompt_tokens = config.prompt_token_limit()
-        check_prompt_chars(request.prompt, max_prompt_tokens)
-        max_new_tokens = parse_max_new_tokens(request.max_new_tokens, config.max_new_tokens_limit)
-        if request.mode not in SPEC_MODES:
-            raise InputError(f"unknown mode {request.mode!r}; choose one of: {', '.join(SPEC_MODES)}")
-        spec = SpecSettings(mode=request.mode, draft_length=parse_draft_tokens(request.draft_tokens))
-        try:
-            spec.validate()
-        except ValueError as error:
-            raise InputError(_first_line(error)) from None
-        try:
-            temperature = float(request.temperature or 0.0)
-            top_p = float(request.top_p if request.top_p is not None else 1.0)
-        except (TypeError, ValueError):
-            raise InputError("temperature and top-p must be numbers") from None
-        sampling = SamplingSettings(temperature=temperature, top_p=top_p, seed=parse_seed(request.seed))
-        settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling)
-        try:
-            settings.validate()
-        except ValueError as error:
-            raise InputError(_first_line(error)) from None
-        dtype = (request.dtype or config.dtype or "auto").strip().lower()
-        if dtype not in DTYPES:
-            raise InputError(f"unknown dtype {request.dtype!r}; choose one of: {', '.join(DTYPES)}")
-        quant_key = (request.quantization or "none").strip().lower()
-        if quant_key not in QUANTIZATIONS:
-            raise InputError(f"unknown quantization {request.quantization!r}; use none, 8bit or 4bit")
-        quantization = QUANTIZATIONS[quant_key]
-        if quantization is not None:
-            reason = config.quantization_unavailable()
-            if reason:
-                raise InputError(reason)
-        target_source, draft_source, preset = self.sources(request)
+        checked = self.check(request)
+        settings, spec, dtype, quantization = checked.settings, checked.spec, checked.dtype, checked.quantization
+        target_source, draft_source, preset = checked.target_source, checked.draft_source, checked.preset
+        max_prompt_tokens = checked.max_prompt_tokens
 
         # loading (the first offline load joins and converts the pack: minutes, with progress)
         started = time.perf_counter()
         target_settings = LoadSettings(dtype=dtype, device=config.device, quantization=quantization)
         draft_settings = LoadSettings(dtype=dtype, device=config.device)
-        self._switch_pair(target_source, target_settings, draft_source, draft_settings)
+        # the pair's draft stays loaded in a draft-free mode, so flipping modes on one pair reloads nothing
+        self._switch_pair(target_source, target_settings, draft_source or (preset and preset.draft), draft_settings)
         share = 0.5 if draft_source else 1.0
         target = self._load(target_source, target_settings, lambda f, m: report(share * f, m), "target")
         # the prompt is measured with the target's tokenizer before the draft loads or any pass runs
@@ -446,7 +506,7 @@ class Racer:
             )
         if preset is not None and target.device.type == "cpu" and preset.hardware.lower().startswith("gpu"):
             warnings.append(f"{preset.label} is meant for a GPU ({preset.hardware}); on this CPU it will be slow.")
-        if not sampling.greedy:
+        if not settings.sampling.greedy:
             warnings.append(
                 "Sampling (temperature > 0): both sides draw from the same distribution, but not the same tokens, "
                 "so the texts will differ."
@@ -564,6 +624,7 @@ def log_race(state: RaceState, ended: str, seconds: float) -> None:
         "new_tokens": {"plain": state.plain.counters.new_tokens, "spec": state.spec.counters.new_tokens},
         "speedup": None if comparison is None or comparison.speedup is None else round(comparison.speedup, 4),
         "identical": state.identical,
+        "rss_gb": None if (rss := resident_gb()) is None else round(rss, 2),
     }
     if prepared is not None:
         record = {
@@ -938,7 +999,9 @@ class Handlers:
 
     racer: Racer
     race: Callable[..., Iterator[tuple]]
-    api: Callable[..., dict]
+    api: Callable[..., Iterator[dict]]
+    race_validator: Callable[..., list[dict]]  # the queue runs these before queueing: bad input never waits
+    api_validator: Callable[..., list[dict]]
 
 
 def example_prompts(config: AppConfig) -> list[tuple[str, str]]:
@@ -1057,7 +1120,47 @@ def make_handlers(config: AppConfig) -> Handlers:
         assert state is not None
         yield result_dict(state)
 
-    return Handlers(racer, gpu(race_handler, duration=config.gpu_duration), gpu(api_race, duration=config.gpu_duration))
+    def validation(request: RaceRequest, names: Sequence[str]) -> list[dict]:
+        """One ``gr.validate`` per input: the cheap checks of :meth:`Racer.check`, the message on the input at
+        fault (or on the prompt)."""
+        try:
+            racer.check(request)
+        except InputError as error:
+            log_refusal(str(error))
+            blamed = error.field if error.field in names else names[0]
+            return [gr.validate(name != blamed, str(error) if name == blamed else "") for name in names]
+        return [gr.validate(True, "") for _ in names]
+
+    def race_validator(*values: Any) -> list[dict]:
+        return validation(RaceRequest(*values), INPUTS)
+
+    def api_validator(
+        prompt: str,
+        pair: str = "",
+        mode: str = "draft",
+        draft_tokens: str = "adaptive",
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        chat: bool = True,
+        target: str = "",
+        draft: str = "",
+        dtype: str = "",
+    ) -> list[dict]:
+        request = RaceRequest(
+            prompt, pair or None, target, draft, mode, draft_tokens, max_new_tokens, temperature, top_p, seed,
+            dtype or config.dtype, "none", chat,
+        )
+        return validation(request, API_INPUTS)
+
+    return Handlers(
+        racer,
+        gpu(race_handler, duration=config.gpu_duration),
+        gpu(api_race, duration=config.gpu_duration),
+        race_validator,
+        api_validator,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1309,6 +1412,7 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
             api_visibility="undocumented",
             api_name="race_stream",
             show_progress="minimal",
+            validator=handlers.race_validator,
         )
         stop.click(fn=None, cancels=[run_event], js=STOP_JS)
         stop.click(lambda: STOPPED_TEXT, outputs=status, queue=False, api_visibility="private")
@@ -1317,7 +1421,8 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
         pair.change(lambda key, current: mode_for_pair(config, key, current), inputs=[pair, mode], outputs=mode,
                     queue=False, api_visibility="private")
         show_rejected.change(fn=None, inputs=show_rejected, js=SHOW_REJECTED_JS)
-        gr.api(handlers.api, api_name="race", concurrency_limit=1, concurrency_id="device")
+        api = gr.api(handlers.api, api_name="race", concurrency_limit=1, concurrency_id="device")
+        demo.fns[api["id"]].validator = handlers.api_validator  # gr.api takes no validator argument (Gradio 6)
     demo.queue(max_size=config.max_queue, default_concurrency_limit=1)
     demo.specdemo_handlers = handlers  # for tests and embedding
     return demo

@@ -117,10 +117,10 @@ def test_switching_pairs_frees_the_models_the_new_pair_does_not_use() -> None:
     racer.prepare(ui.RaceRequest(PROMPT, pair="tiny", mode="ngram", max_new_tokens=4))
     racer.prepare(ui.RaceRequest(PROMPT, pair="tiny", max_new_tokens=4))
     racer.prepare(ui.RaceRequest(PROMPT, pair="tiny-slow", max_new_tokens=4))
-    assert forgotten == [
-        frozenset({cache_key("tiny:target", settings)}),
-        frozenset({cache_key("tiny:target", settings), cache_key("tiny:draft", settings)}),
+    racer.prepare(ui.RaceRequest(PROMPT, pair="tiny-slow", target="tiny:target", mode="ngram", max_new_tokens=4))
+    assert forgotten == [  # a draft-free mode on the same pair keeps its draft
         frozenset({cache_key("tiny:slow", settings), cache_key("tiny:draft", settings)}),
+        frozenset({cache_key("tiny:target", settings), cache_key("tiny:draft", settings)}),
     ]
 
 
@@ -244,3 +244,25 @@ def test_a_disconnected_api_client_frees_the_worker(served) -> None:
     assert wait_for(lambda: closed(spied[:2]), 3.0), "the race of a client that hung up is still running"
     client = gradio_client.Client(url, verbose=False)
     assert client.predict(prompt=PROMPT, pair="tiny", max_new_tokens=8, api_name="/race")["identical"] is True
+
+
+def test_bad_input_is_refused_at_once_while_a_race_holds_the_worker(served) -> None:
+    url, spied = served
+    client = gradio_client.Client(url, verbose=False)
+    spied.clear()
+    job = client.submit(PROMPT, "tiny-slow", "draft", "1", 480, api_name="/race")
+    assert wait_for(lambda: len(spied) >= 2, 60), "the race never started"
+    try:
+        for kwargs, message in [
+            ({"prompt": " ".join(["word"] * 20_000)}, "prompt: the prompt is too long: 99,999 characters"),
+            ({"prompt": PROMPT, "mode": "nope"}, "mode: unknown mode 'nope'"),
+            ({"prompt": PROMPT, "max_new_tokens": 10**7}, "max_new_tokens: max new tokens must be"),
+        ]:
+            started = time.monotonic()
+            with pytest.raises(Exception, match=message):
+                client.predict(api_name="/race", **kwargs)
+            assert time.monotonic() - started < 1.0  # not queued behind the running race
+        assert not job.done()
+    finally:
+        job.cancel()
+    assert wait_for(lambda: closed(spied[:2]), 2.0)
