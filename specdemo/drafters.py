@@ -193,7 +193,7 @@ def int8_copy(model: PreTrainedModel) -> PreTrainedModel | None:
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        quantized = quantize_dynamic(clone, spec, dtype=torch.qint8)
+        quantized = quantize_dynamic(clone, spec, dtype=torch.qint8, inplace=True)  # no second float copy
     _INT8_COPIES[model] = quantized
     return_free_memory()  # the float32 weights the int8 layers replaced
     return quantized

@@ -202,7 +202,7 @@ def load_model(
 ) -> LoadedModel:
     """Load (or fetch from the process-wide cache) the model and tokenizer named by ``source``."""
     key = cache_key(source, settings)
-    source, _, _, _, _ = key
+    source = key[0]  # normalised: an offline name, a resolved path or a Hub id
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     _check_quantization(settings.quantization, device)

@@ -3,12 +3,13 @@
 Structure (everything but :func:`build_app` is testable without a browser):
 
 - :class:`AppConfig`: what the app serves (presets, device, model loader, update rate, ...);
-- :class:`Racer`: validates a :class:`RaceRequest`, loads the pair (with progress), and runs one race through
-  :func:`specdemo.race.race`, yielding a :class:`RaceState` after every round;
+- :class:`Racer`: checks a :class:`RaceRequest` (the cheap checks also run as the queue's validator), loads the
+  pair (with progress, freeing the previous pair), and runs one race through :func:`specdemo.race.race`, yielding
+  a :class:`RaceState` after every round, within the time budget, and logging one line per race;
 - pure view functions: :func:`render_token`, :func:`pane_stats_html`, :func:`speedup_html`, :func:`figures_html`,
   :func:`identical_html`, chart frames (:func:`race_frame`, :func:`accepted_length_frame`,
   :func:`acceptance_position_frame`) and :func:`result_dict` (the ``/race`` API's JSON);
-- :func:`make_handlers`: the Gradio handlers (a generator for the Run button, a function for the ``/race`` API);
+- :func:`make_handlers`: the Gradio handlers (generators for the Run button and the ``/race`` API, validators);
 - :func:`build_app`: the Blocks page; :func:`launch` adds the page's CSS.
 """
 
