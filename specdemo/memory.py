@@ -23,13 +23,15 @@ def _malloc_trim() -> ctypes._CFuncPtr | None:
         return None
 
 
-def return_free_memory() -> None:
-    """Collect garbage, then let glibc give freed heap pages back to the system, so resident memory falls too.
+def return_free_memory(collect: bool = True) -> None:
+    """Collect garbage (unless ``collect`` is False: a full collection takes about half a second in a process
+    with Gradio loaded), then let glibc give freed heap pages back to the system, so resident memory falls too.
 
     Large tensors freed by PyTorch on a CPU often stay in malloc's arenas (the process keeps them resident); a
-    trim after freeing models, or after the float copy behind an int8 draft, returns them.
+    trim after freeing models, after the float copy behind an int8 draft, or after a race, returns them.
     """
-    gc.collect()
+    if collect:
+        gc.collect()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -27,7 +27,7 @@ import torch
 
 from .bench import divergence, divergence_margin
 from .engine import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, GenerationSettings, RoundEvent, TokenEvent, collect
-from .memory import resident_gb
+from .memory import resident_gb, return_free_memory
 from .metrics import Comparison, RunMetrics, compare, run_metrics
 from .models import CacheKey, LoadedModel, LoadSettings, ModelLoadError, cache_key, load_model, resolve_device
 from .offline import OfflinePackError
@@ -597,7 +597,9 @@ class Racer:
             raise
         finally:
             events.close()
-            log_race(state, ended, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            return_free_memory(collect=False)  # the race's caches and activations: a long session stays flat
+            log_race(state, ended, seconds)
 
     def finish(self, state: RaceState) -> None:
         prepared = state.prepared
