@@ -87,7 +87,8 @@ def race(client: Client, **kwargs: Any) -> dict[str, Any]:
     try:
         result = client.predict(api_name="/race", **kwargs)
     except Exception as error:  # the client raises the server's one-line gr.Error as AppError
-        return {"outcome": "refused", "message": str(error).strip().splitlines()[0], "seconds": time.perf_counter() - started}
+        message = " ".join(str(error).split())  # a validation error spans two lines: the input, then the message
+        return {"outcome": "refused", "message": message, "seconds": time.perf_counter() - started}
     return {
         "outcome": "served",
         "seconds": time.perf_counter() - started,
