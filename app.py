@@ -11,6 +11,34 @@ from typing import Sequence
 from specdemo.presets import PRESETS
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def env_number(name: str, kind: type, default: float | None = None) -> float | None:
+    """A number from the environment variable ``name`` (``kind`` is int or float), else ``default``."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        raise SystemExit(f"{name} must be a number, got {text!r}") from None
+    if value <= 0:
+        raise SystemExit(f"{name} must be more than 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Speculative decoding race: plain vs speculative, side by side.")
     parser.add_argument(
@@ -39,6 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="load the default pair before serving (on by default on ZeroGPU Spaces)",
     )
     parser.add_argument("--max-new-tokens-limit", type=int, default=2048, help="largest max new tokens allowed")
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=positive_int,
+        default=env_number("SPECDEMO_MAX_PROMPT_TOKENS", int),
+        help="longest prompt accepted, in tokens (or set SPECDEMO_MAX_PROMPT_TOKENS; default 2048 on a CPU, 8192 "
+        "on a GPU): a longer one is refused before any model work",
+    )
+    parser.add_argument(
+        "--race-time-budget",
+        type=positive_float,
+        default=env_number("SPECDEMO_RACE_TIME_BUDGET", float, 300.0 if spaces_compat.ON_SPACES else None),
+        help="seconds of wall clock a race may take before it stops with its figures so far (or set "
+        "SPECDEMO_RACE_TIME_BUDGET; default: none, 300 on a Hugging Face Space)",
+    )
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -60,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
         custom_models=args.custom_models,
         max_new_tokens_limit=args.max_new_tokens_limit,
+        max_prompt_tokens=args.max_prompt_tokens,
+        race_time_budget=args.race_time_budget,
     )
     demo = build_app(config)
     if args.preload:

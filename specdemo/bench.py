@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import logging
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -16,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .lm import CachedLM
+from .memory import return_free_memory
 from .sampling import SamplingSettings, target_distribution
 
 logger = logging.getLogger(__name__)
@@ -160,7 +162,8 @@ class NgramDrafter:
 # draft model
 
 
-_INT8_COPIES: dict[int, tuple[PreTrainedModel, PreTrainedModel]] = {}
+#: int8 copies of draft models, keyed weakly by the float model: a copy lives exactly as long as its model
+_INT8_COPIES: "weakref.WeakKeyDictionary[PreTrainedModel, PreTrainedModel]" = weakref.WeakKeyDictionary()
 
 
 def int8_copy(model: PreTrainedModel) -> PreTrainedModel | None:
@@ -171,10 +174,9 @@ def int8_copy(model: PreTrainedModel) -> PreTrainedModel | None:
     decides every token, is never touched. The LM head stays in float32 (the drafter restricts it). The copy is
     made once per model and process.
     """
-    key = id(model)
-    cached = _INT8_COPIES.get(key)
-    if cached is not None and cached[0] is model:
-        return cached[1]
+    cached = _INT8_COPIES.get(model)
+    if cached is not None:
+        return cached
     try:
         import copy
 
@@ -191,8 +193,9 @@ def int8_copy(model: PreTrainedModel) -> PreTrainedModel | None:
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        quantized = quantize_dynamic(clone, spec, dtype=torch.qint8)
-    _INT8_COPIES[key] = (model, quantized)
+        quantized = quantize_dynamic(clone, spec, dtype=torch.qint8, inplace=True)  # no second float copy
+    _INT8_COPIES[model] = quantized
+    return_free_memory()  # the float32 weights the int8 layers replaced
     return quantized
 
 
@@ -210,19 +213,20 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Mod
         return quantize_dynamic(torch.nn.Sequential(linear), {"0": per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
-_INT8_HEADS: dict[int, tuple[PreTrainedModel, torch.nn.Module]] = {}
+#: int8 copies of whole LM heads, keyed weakly by their model (freed with it)
+_INT8_HEADS: "weakref.WeakKeyDictionary[PreTrainedModel, torch.nn.Module]" = weakref.WeakKeyDictionary()
 
 
 def int8_head(model: PreTrainedModel) -> torch.nn.Module | None:
     """An int8 copy of the model's whole LM head (made once per model and process), or None if it is no Linear."""
-    cached = _INT8_HEADS.get(id(model))
-    if cached is not None and cached[0] is model:
-        return cached[1]
+    cached = _INT8_HEADS.get(model)
+    if cached is not None:
+        return cached
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         return None
     quantized = int8_linear(head.weight.detach(), head.bias)
-    _INT8_HEADS[id(model)] = (model, quantized)
+    _INT8_HEADS[model] = quantized
     return quantized
 
 

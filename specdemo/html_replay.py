@@ -223,7 +223,7 @@ def replay_data(log: RaceLog) -> dict[str, Any]:
             if shown.get(key) != value:
                 entry[key] = shown[key] = value
         timeline.append(entry)
-    state.done, state.divergence, state.margin = log.done, log.divergence, log.margin
+    state.conclude(log)
     final = {f"{side}_stats": head(side, running=False) for side in SIDES}
     final.update(speedup=speedup_html(state), figures=figures_html(state), identical=identical_html(state))
     timeline.append({"t": log.seconds, **final})

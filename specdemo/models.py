@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import offline
+from .memory import return_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -151,11 +152,23 @@ _cache_lock = threading.Lock()
 _key_locks: dict[CacheKey, threading.Lock] = {}
 
 
-def clear_model_cache() -> None:
-    """Forget every cached model (memory is freed once no one else holds them)."""
+def clear_model_cache(keep: Collection[CacheKey] = ()) -> None:
+    """Forget every cached model but those under the keys in ``keep`` (memory is freed once no one else holds
+    them)."""
     with _cache_lock:
-        _cache.clear()
-        _key_locks.clear()
+        for key in [key for key in _cache if key not in keep]:
+            del _cache[key]
+        for key in [key for key in _key_locks if key not in keep]:
+            del _key_locks[key]
+
+
+def cache_key(source: str, settings: LoadSettings = LoadSettings()) -> CacheKey:
+    """The key under which :func:`load_model` caches ``source`` loaded with ``settings`` (loads nothing)."""
+    if not source or not source.strip():
+        raise ModelLoadError("no model given")
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    return (_normalise_source(source), str(dtype), str(device), settings.quantization, settings.trust_remote_code)
 
 
 def cached_models() -> list[CacheKey]:
@@ -188,13 +201,11 @@ def load_model(
     on_progress: ProgressCallback | None = None,
 ) -> LoadedModel:
     """Load (or fetch from the process-wide cache) the model and tokenizer named by ``source``."""
-    if not source or not source.strip():
-        raise ModelLoadError("no model given")
+    key = cache_key(source, settings)
+    source = key[0]  # normalised: an offline name, a resolved path or a Hub id
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     _check_quantization(settings.quantization, device)
-    source = _normalise_source(source)
-    key: CacheKey = (source, str(dtype), str(device), settings.quantization, settings.trust_remote_code)
 
     with _cache_lock:
         hit = _cache.get(key)
@@ -207,6 +218,7 @@ def load_model(
         if hit is not None:
             return hit
         loaded = _load_uncached(source, settings, device, dtype, progress, on_progress)
+        return_free_memory()  # e.g. the float32 tensors a bfloat16 model was cast from
         with _cache_lock:
             _cache[key] = loaded
         return loaded

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Collection, Iterator
 
 import torch
 
@@ -15,8 +15,9 @@ from .draft_length import make_policy
 from .drafters import NGRAM_PREFERENCES, DraftModelDrafter, Drafter, NgramDrafter
 from .engine import GenerationSettings, RoundEvent, plain_decode, seeded_generator, speculative_decode
 from .lm import CachedLM
-from .models import LoadedModel, same_tokenizer
-from .uag import UniversalDrafter
+from .memory import return_free_memory
+from .models import CacheKey, LoadedModel, clear_model_cache, same_tokenizer
+from .uag import UniversalDrafter, shared_vocabulary, token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +29,18 @@ SPEC_MODES: dict[str, str] = {
 }
 MODES_NEEDING_DRAFT = {"draft", "uag"}
 
+#: default cap on prompt tokens: a prompt pass is cheap on a GPU, tens of seconds per thousand tokens on a CPU
+DEFAULT_MAX_PROMPT_TOKENS = {"cpu": 2048, "mps": 4096, "cuda": 8192}
+#: no real text averages more characters per token than this, so a longer prompt is over the cap for certain
+MAX_CHARS_PER_TOKEN = 12
+
 
 class InputError(ValueError):
-    """Bad user input, with a message fit to show as is."""
+    """Bad user input, with a message fit to show as is; ``field`` names the input at fault when one is."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,44 @@ def check_lengths(target: LoadedModel, prompt_ids: list[int], settings: Generati
             f"prompt ({len(prompt_ids)} tokens) + max new tokens ({settings.max_new_tokens}) exceeds the model's "
             f"context of {limit} tokens; shorten the prompt or lower max new tokens"
         )
+
+
+def default_max_prompt_tokens(device_type: str) -> int:
+    """The prompt cap that fits the hardware: 2,048 tokens on a CPU, more on a GPU."""
+    return DEFAULT_MAX_PROMPT_TOKENS.get(device_type, DEFAULT_MAX_PROMPT_TOKENS["cuda"])
+
+
+def check_prompt_chars(text: str, max_prompt_tokens: int) -> None:
+    """Refuse, before any model work, a prompt too long in characters to fit ``max_prompt_tokens`` tokens."""
+    if len(text) > max_prompt_tokens * MAX_CHARS_PER_TOKEN:
+        raise InputError(
+            f"the prompt is too long: {len(text):,} characters, far over the limit of {max_prompt_tokens:,} prompt "
+            "tokens on this server; shorten it"
+        )
+
+
+def check_prompt_tokens(prompt_ids: list[int], max_prompt_tokens: int) -> None:
+    """Refuse a prompt of more than ``max_prompt_tokens`` tokens (checked before any forward pass)."""
+    if len(prompt_ids) > max_prompt_tokens:
+        raise InputError(
+            f"the prompt is too long: {len(prompt_ids):,} tokens, over the limit of {max_prompt_tokens:,} prompt "
+            "tokens on this server; shorten it"
+        )
+
+
+def release_models(keep: Collection[CacheKey] = ()) -> None:
+    """Free every loaded model but those under the cache keys in ``keep``, with what was made from them.
+
+    The int8 copies and heads of drafts are keyed weakly by their model and go with it; the tokenizer tables of
+    different-tokenizer drafting are cleared; freed heap pages go back to the system (glibc) so the process's
+    resident memory falls, not only Python's.
+    """
+    clear_model_cache(keep)
+    token_bytes.cache_clear()
+    shared_vocabulary.cache_clear()
+    return_free_memory()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def check_pair(mode: str, target: LoadedModel, draft: LoadedModel | None) -> None:

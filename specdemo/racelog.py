@@ -9,7 +9,8 @@ figures are rebuilt from the rounds exactly as the engine added them up (:meth:`
      "settings": {...RaceSettings...},
      "token_fields": ["id", "text", "kind", "draft_prob", "target_prob"],
      "sides": {"plain": [ROUND, ...], "spec": [ROUND, ...]},
-     "outcome": {"done": true, "divergence": null | {"position": 17, "logit_margin": 0.12}},
+     "outcome": {"done": true, "divergence": null | {"position": 17, "logit_margin": 0.12},
+                 "stop_reason": "time budget"},   # only when the race stopped early
      "figures": {...}}   # derived (speedup, acceptance, ...), for readers; ignored on load
 
     ROUND = {"round": 3, "t": 1.234, "draft_s": 0.02, "verify_s": 0.1, "drafted": 4, "accepted": 2,
@@ -97,8 +98,6 @@ class RaceSettings:
     def from_prepared(cls, prepared: Prepared) -> RaceSettings:
         sampling = prepared.settings.sampling
         device = str(prepared.target.device)
-        request = prepared.request
-        custom = bool((request.target or "").strip() or (request.draft or "").strip())  # the pair is not the preset's
         return cls(
             target=prepared.target_source,
             draft=prepared.draft_source,
@@ -114,7 +113,7 @@ class RaceSettings:
             prompt=prepared.request.prompt,
             prompt_tokens=len(prepared.prompt_ids),
             chat=bool(prepared.request.chat),
-            pair=None if custom else (prepared.request.pair or "").strip() or None,
+            pair=prepared.pair,
         )
 
 
@@ -204,6 +203,7 @@ class RaceLog:
     done: bool = False  # both sides finished and were compared
     divergence: int | None = None  # first position where the outputs differ (None: identical, or not done)
     margin: float | None = None  # the target's top-1 minus top-2 logit there
+    stop_reason: str | None = None  # why the race ended before both sides finished (e.g. "time budget")
 
     def rounds(self, side: str) -> list[LoggedRound]:
         if side not in SIDES:
@@ -293,6 +293,7 @@ class RaceLog:
                 "divergence": None
                 if self.divergence is None
                 else {"position": self.divergence, "logit_margin": self.margin},
+                **({"stop_reason": self.stop_reason} if self.stop_reason else {}),
             },
             "figures": self.figures(),
         }
@@ -329,6 +330,7 @@ class RaceLog:
                 divergence=None if divergence is None else int(divergence["position"]),
                 margin=None if divergence is None or divergence["logit_margin"] is None
                 else float(divergence["logit_margin"]),
+                stop_reason=outcome.get("stop_reason"),
             )
         except (KeyError, TypeError, ValueError) as error:
             detail = f"missing {error}" if isinstance(error, KeyError) else str(error).splitlines()[0]

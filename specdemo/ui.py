@@ -3,21 +3,23 @@
 Structure (everything but :func:`build_app` is testable without a browser):
 
 - :class:`AppConfig`: what the app serves (presets, device, model loader, update rate, ...);
-- :class:`Racer`: validates a :class:`RaceRequest`, loads the pair (with progress), and runs one race through
-  :func:`specdemo.race.race`, yielding a :class:`RaceState` after every round;
+- :class:`Racer`: checks a :class:`RaceRequest` (the cheap checks also run as the queue's validator), loads the
+  pair (with progress, freeing the previous pair), and runs one race through :func:`specdemo.race.race`, yielding
+  a :class:`RaceState` after every round, within the time budget, and logging one line per race;
 - views: token spans, pane figures, cards and CSS come from :mod:`specdemo.views` (no Gradio there); here: chart
   frames (:func:`race_frame`, :func:`accepted_length_frame`, :func:`acceptance_position_frame`) and
   :func:`result_dict` (the ``/race`` API's JSON, with the race log under ``"log"``);
-- :func:`make_handlers`: the Gradio handlers (a generator for the Run button, a function for the ``/race`` API);
+- :func:`make_handlers`: the Gradio handlers (generators for the Run button and the ``/race`` API, validators);
 - :func:`build_app`: the Blocks page; :func:`launch` adds the page's CSS.
 """
 
-import gc
+import json
 import logging
 import shutil
 import tempfile
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -28,7 +30,8 @@ import torch
 
 from .bench import divergence, divergence_margin
 from .engine import Counters, GenerationSettings, TokenEvent, collect
-from .models import LoadedModel, LoadSettings, ModelLoadError, clear_model_cache, load_model
+from .memory import resident_gb, return_free_memory
+from .models import CacheKey, LoadedModel, LoadSettings, ModelLoadError, cache_key, load_model, resolve_device
 from .offline import OfflinePackError
 from .pipeline import (
     MODES_NEEDING_DRAFT,
@@ -37,8 +40,12 @@ from .pipeline import (
     SpecSettings,
     check_lengths,
     check_pair,
+    check_prompt_chars,
+    check_prompt_tokens,
+    default_max_prompt_tokens,
     encode_prompt,
     plain_events,
+    release_models,
     spec_events,
 )
 from .presets import PRESETS, PairPreset, default_preset_key
@@ -63,6 +70,11 @@ from .views import (  # noqa: F401  # render_token and token_title: re-exported,
 )
 
 logger = logging.getLogger(__name__)
+#: one structured line per race (pair, mode, sizes, seconds, speedup, how it ended; never the prompt's text)
+race_logger = logging.getLogger(__name__ + ".races")
+
+#: why a race stopped before both sides finished
+TIME_BUDGET = "time budget"
 
 Loader = Callable[..., LoadedModel]  # load_model(source, settings, progress=..., on_progress=...)
 
@@ -88,6 +100,21 @@ OUTPUTS = (
     "length_plot",
     "position_plot",
     "result",
+)
+#: the ``/race`` API's inputs, in order
+API_INPUTS = (
+    "prompt",
+    "pair",
+    "mode",
+    "draft_tokens",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "chat",
+    "target",
+    "draft",
+    "dtype",
 )
 #: the Run handler's inputs, in order
 INPUTS = (
@@ -132,12 +159,15 @@ class AppConfig:
     custom_models: bool = True  # show the custom target/draft boxes (switch off for hosted use)
     presets: dict[str, PairPreset] = field(default_factory=lambda: dict(PRESETS))
     loader: Loader = load_model
-    #: called before loading a different target, to free the previous pair's memory (None: keep everything)
-    forget_models: Callable[[], None] | None = clear_model_cache
+    #: called when the pair changes, with the cache keys of the new pair's models, to free every other model
+    #: (None: keep everything)
+    forget_models: Callable[[frozenset[CacheKey]], None] | None = release_models
     update_interval: float = 0.25  # seconds between UI updates during a race (the final state is always sent)
     max_new_tokens: int = 128
     draft_tokens: str = "adaptive"  # the draft-tokens control's initial value: adaptive, heuristic or "1".."12"
     max_new_tokens_limit: int = 2048
+    max_prompt_tokens: int | None = None  # cap on prompt tokens; None: 2,048 on a CPU, more on a GPU
+    race_time_budget: float | None = None  # seconds of wall clock per race before it stops; None: no limit
     warmup_tokens: int = 16  # an untimed warm-up race of this many tokens the first time a pair runs (0: none)
     examples: list[Prompt] | None = None  # None: the bundled prompt set
     quantization_reason: str | None = "auto"  # "auto": detect; None: available; text: why it is disabled
@@ -153,6 +183,16 @@ class AppConfig:
         if set(PRESETS) <= set(self.presets):
             return default_preset_key()
         return next(iter(self.presets))
+
+    def prompt_token_limit(self) -> int:
+        """The cap on prompt tokens: the configured one, else the default for this app's device."""
+        if self.max_prompt_tokens is not None:
+            return self.max_prompt_tokens
+        try:
+            device_type = resolve_device(self.device).type
+        except (ModelLoadError, RuntimeError, ValueError):
+            device_type = "cpu"
+        return default_max_prompt_tokens(device_type)
 
     def quantization_unavailable(self) -> str | None:
         if self.quantization_reason == "auto":
@@ -196,6 +236,32 @@ class Prepared:
     warnings: list[str] = field(default_factory=list)
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
+    pair: str | None = None  # the preset raced (None: custom models)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A request that passed every check that needs no model (see :meth:`Racer.check`)."""
+
+    settings: GenerationSettings
+    spec: SpecSettings
+    dtype: str
+    quantization: str | None
+    target_source: str
+    draft_source: str | None
+    preset: PairPreset | None
+    max_prompt_tokens: int
+
+
+@contextmanager
+def _blame(field: str) -> Iterator[None]:
+    """Turn an InputError or ValueError raised inside into an InputError that names ``field``."""
+    try:
+        yield
+    except InputError as error:
+        raise InputError(str(error), error.field or field) from None
+    except ValueError as error:
+        raise InputError(_first_line(error), field) from None
 
 
 def parse_draft_tokens(value: str | int | None) -> str | int:
@@ -256,7 +322,7 @@ class Racer:
     def __init__(self, config: AppConfig) -> None:
         self.config = config
         self._warm: set[tuple[int, int | None, str]] = set()
-        self._target_key: tuple | None = None
+        self._pair: frozenset[CacheKey] | None = None  # cache keys of the pair that ran last
 
     # -- validation and loading ------------------------------------------------------------------------------
 
@@ -283,64 +349,84 @@ class Racer:
 
     def prepare(self, request: RaceRequest, on_progress: Callable[[float, str], None] | None = None) -> Prepared:
         """Validate, load (reporting progress in [0, 1]), encode; InputError with one plain line otherwise."""
+        try:
+            return self._prepare(request, on_progress)
+        except InputError as error:
+            log_refusal(str(error))
+            raise
+
+    def check(self, request: RaceRequest) -> Checked:
+        """Every check that needs no model (milliseconds): InputError naming the input at fault otherwise.
+
+        The app runs it as the queue's validator too, so bad input is refused at once, never after waiting
+        behind other visitors' races.
+        """
+        config = self.config
+        with _blame("prompt"):
+            if not isinstance(request.prompt, str) or not request.prompt.strip():
+                raise InputError("the prompt is empty: type something or pick an example")
+            max_prompt_tokens = config.prompt_token_limit()
+            check_prompt_chars(request.prompt, max_prompt_tokens)
+        with _blame("max_new_tokens"):
+            max_new_tokens = parse_max_new_tokens(request.max_new_tokens, config.max_new_tokens_limit)
+        with _blame("mode"):
+            if request.mode not in SPEC_MODES:
+                raise InputError(f"unknown mode {request.mode!r}; choose one of: {', '.join(SPEC_MODES)}")
+        with _blame("draft_tokens"):
+            spec = SpecSettings(mode=request.mode, draft_length=parse_draft_tokens(request.draft_tokens))
+            spec.validate()
+        with _blame("temperature"):
+            try:
+                temperature = float(request.temperature or 0.0)
+                top_p = float(request.top_p if request.top_p is not None else 1.0)
+            except (TypeError, ValueError):
+                raise InputError("temperature and top-p must be numbers") from None
+        with _blame("seed"):
+            sampling = SamplingSettings(temperature=temperature, top_p=top_p, seed=parse_seed(request.seed))
+        with _blame("temperature"):
+            settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling)
+            settings.validate()
+        with _blame("dtype"):
+            dtype = (request.dtype or config.dtype or "auto").strip().lower()
+            if dtype not in DTYPES:
+                raise InputError(f"unknown dtype {request.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        with _blame("quantization"):
+            quant_key = (request.quantization or "none").strip().lower()
+            if quant_key not in QUANTIZATIONS:
+                raise InputError(f"unknown quantization {request.quantization!r}; use none, 8bit or 4bit")
+            quantization = QUANTIZATIONS[quant_key]
+            if quantization is not None:
+                reason = config.quantization_unavailable()
+                if reason:
+                    raise InputError(reason)
+        with _blame("pair"):
+            target_source, draft_source, preset = self.sources(request)
+        return Checked(settings, spec, dtype, quantization, target_source, draft_source, preset, max_prompt_tokens)
+
+    def _prepare(self, request: RaceRequest, on_progress: Callable[[float, str], None] | None) -> Prepared:
         config = self.config
         report = on_progress or (lambda fraction, message: None)
-        if not isinstance(request.prompt, str) or not request.prompt.strip():
-            raise InputError("the prompt is empty: type something or pick an example")
-        max_new_tokens = parse_max_new_tokens(request.max_new_tokens, config.max_new_tokens_limit)
-        if request.mode not in SPEC_MODES:
-            raise InputError(f"unknown mode {request.mode!r}; choose one of: {', '.join(SPEC_MODES)}")
-        spec = SpecSettings(mode=request.mode, draft_length=parse_draft_tokens(request.draft_tokens))
-        try:
-            spec.validate()
-        except ValueError as error:
-            raise InputError(_first_line(error)) from None
-        try:
-            temperature = float(request.temperature or 0.0)
-            top_p = float(request.top_p if request.top_p is not None else 1.0)
-        except (TypeError, ValueError):
-            raise InputError("temperature and top-p must be numbers") from None
-        sampling = SamplingSettings(temperature=temperature, top_p=top_p, seed=parse_seed(request.seed))
-        settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling)
-        try:
-            settings.validate()
-        except ValueError as error:
-            raise InputError(_first_line(error)) from None
-        dtype = (request.dtype or config.dtype or "auto").strip().lower()
-        if dtype not in DTYPES:
-            raise InputError(f"unknown dtype {request.dtype!r}; choose one of: {', '.join(DTYPES)}")
-        quant_key = (request.quantization or "none").strip().lower()
-        if quant_key not in QUANTIZATIONS:
-            raise InputError(f"unknown quantization {request.quantization!r}; use none, 8bit or 4bit")
-        quantization = QUANTIZATIONS[quant_key]
-        if quantization is not None:
-            reason = config.quantization_unavailable()
-            if reason:
-                raise InputError(reason)
-        target_source, draft_source, preset = self.sources(request)
+        checked = self.check(request)
+        settings, spec, dtype, quantization = checked.settings, checked.spec, checked.dtype, checked.quantization
+        target_source, draft_source, preset = checked.target_source, checked.draft_source, checked.preset
+        max_prompt_tokens = checked.max_prompt_tokens
 
         # loading (the first offline load joins and converts the pack: minutes, with progress)
         started = time.perf_counter()
         target_settings = LoadSettings(dtype=dtype, device=config.device, quantization=quantization)
-        target_key = (target_source, dtype, config.device, quantization)
-        if self._target_key is not None and self._target_key != target_key and config.forget_models is not None:
-            logger.info("Switching target to %s: freeing the previous pair", target_source)
-            self._warm.clear()
-            config.forget_models()
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        draft_settings = LoadSettings(dtype=dtype, device=config.device)
+        # the pair's draft stays loaded in a draft-free mode, so flipping modes on one pair reloads nothing
+        self._switch_pair(target_source, target_settings, draft_source or (preset and preset.draft), draft_settings)
         share = 0.5 if draft_source else 1.0
         target = self._load(target_source, target_settings, lambda f, m: report(share * f, m), "target")
-        self._target_key = target_key
+        # the prompt is measured with the target's tokenizer before the draft loads or any pass runs
+        prompt_ids = encode_prompt(target, request.prompt, chat=bool(request.chat))
+        check_prompt_tokens(prompt_ids, max_prompt_tokens)
+        check_lengths(target, prompt_ids, settings)
         draft = None
         if draft_source:
-            draft_settings = LoadSettings(dtype=dtype, device=config.device)
             draft = self._load(draft_source, draft_settings, lambda f, m: report(0.5 + 0.5 * f, m), "draft")
         load_seconds = time.perf_counter() - started
-
-        prompt_ids = encode_prompt(target, request.prompt, chat=bool(request.chat))
-        check_lengths(target, prompt_ids, settings)
         check_pair(spec.mode, target, draft)
 
         warnings: list[str] = []
@@ -351,13 +437,14 @@ class Racer:
             )
         if preset is not None and target.device.type == "cpu" and preset.hardware.lower().startswith("gpu"):
             warnings.append(f"{preset.label} is meant for a GPU ({preset.hardware}); on this CPU it will be slow.")
-        if not sampling.greedy:
+        if not settings.sampling.greedy:
             warnings.append(
                 "Sampling (temperature > 0): both sides draw from the same distribution, but not the same tokens, "
                 "so the texts will differ."
             )
         prepared = Prepared(
-            request, target, draft, target_source, draft_source, prompt_ids, settings, spec, warnings, load_seconds
+            request, target, draft, target_source, draft_source, prompt_ids, settings, spec, warnings, load_seconds,
+            pair=preset.key if preset and (target_source, draft_source or preset.draft) == (preset.target, preset.draft) else None,
         )
         try:
             prepared.warmup_seconds = self.warm_up(prepared, report)
@@ -365,6 +452,23 @@ class Racer:
             logger.exception("The warm-up run failed")
             raise InputError(f"the warm-up run failed: {_first_line(error)}") from None
         return prepared
+
+    def _switch_pair(
+        self, target_source: str, target_settings: LoadSettings, draft_source: str | None, draft_settings: LoadSettings
+    ) -> None:
+        """When the pair changes, free every model the new pair does not use (the int8 copies go with them)."""
+        try:
+            keys = {cache_key(target_source, target_settings)}
+            if draft_source:
+                keys.add(cache_key(draft_source, draft_settings))
+        except ModelLoadError as error:
+            raise InputError(_first_line(error)) from None
+        pair = frozenset(keys)
+        if self._pair is not None and pair != self._pair and self.config.forget_models is not None:
+            logger.info("Switching pair to %s: freeing the models it does not use", " + ".join(sorted(k[0] for k in pair)))
+            self._warm.clear()
+            self.config.forget_models(pair)
+        self._pair = pair
 
     def _load(self, source: str, settings: LoadSettings, report: Callable[[float, str], None], role: str) -> LoadedModel:
         report(0.0, f"Loading the {role}: {source}")
@@ -395,32 +499,84 @@ class Racer:
     def run(self, prepared: Prepared) -> Iterator[RaceState]:
         """One race; yields the state after every round, and once more when the figures are final.
 
-        Closing this generator (the Stop button) closes the race, which closes both decoders.
+        Closing this generator (the Stop button, a cancelled or disconnected API client) closes the race, which
+        closes both decoders. When the race outlives the configured time budget it stops there, with the figures
+        of what both sides wrote so far. Every race ends with one line in the race log.
         """
         state = RaceState(prepared)
         plain = plain_events(prepared.target, prepared.prompt_ids, prepared.settings)
         spec = spec_events(prepared.target, prepared.draft, prepared.prompt_ids, prepared.settings, prepared.spec)
         events = race(plain, spec)
+        budget = self.config.race_time_budget
+        started = time.perf_counter()
+        ended = "cancelled"  # until the race reaches an end of its own
         try:
             for event in events:
                 (state.plain if event.side == "plain" else state.spec).add(event)
                 yield state
+                both_finished = state.plain.finished and state.spec.finished
+                if budget is not None and not both_finished and time.perf_counter() - started > budget:
+                    state.stop_reason = TIME_BUDGET
+                    break
+            events.close()
+            self.finish(state)
+            ended = state.stop_reason or "done"
+            yield state
+        except Exception:
+            ended = "error"
+            raise
         finally:
             events.close()
-        self.finish(state)
-        yield state
+            seconds = time.perf_counter() - started
+            return_free_memory(collect=False)  # the race's caches and activations: a long session stays flat
+            log_race(state, ended, seconds)
 
     def finish(self, state: RaceState) -> None:
         prepared = state.prepared
         assert prepared is not None
-        position = divergence(state.plain.ids, state.spec.ids)
+        plain_ids, spec_ids = state.plain.output_ids(), state.spec.output_ids()
+        if state.stop_reason is not None:  # compare what both sides wrote
+            plain_ids, spec_ids = plain_ids[: len(spec_ids)], spec_ids[: len(plain_ids)]
+        position = divergence(plain_ids, spec_ids)
         state.divergence = position
-        if position is not None and position < len(state.plain.ids) and state.greedy:
+        if position is not None and position < len(plain_ids) and state.greedy:
             try:
-                state.margin = divergence_margin(prepared.target, prepared.prompt_ids, state.plain.ids, position)
+                state.margin = divergence_margin(prepared.target, prepared.prompt_ids, plain_ids, position)
             except RuntimeError:  # pragma: no cover - out of memory and the like: the badge says less
                 logger.exception("Could not compute the divergence margin")
         state.done = True
+
+
+def log_race(state: RaceState, ended: str, seconds: float) -> None:
+    """One structured line (JSON) about a race that ran: never the prompt's text."""
+    prepared = state.prepared
+    comparison = state.comparison if ended != "error" else None
+    record: dict[str, Any] = {
+        "ended": ended,
+        "seconds": round(seconds, 3),
+        "new_tokens": {"plain": state.plain.counters.new_tokens, "spec": state.spec.counters.new_tokens},
+        "speedup": None if comparison is None or comparison.speedup is None else round(comparison.speedup, 4),
+        "identical": state.identical,
+        "rss_gb": None if (rss := resident_gb()) is None else round(rss, 2),
+    }
+    if prepared is not None:
+        record = {
+            "pair": prepared.pair,
+            "target": prepared.target_source,
+            "draft": prepared.draft_source,
+            "mode": prepared.spec.mode,
+            "dtype": str(prepared.target.dtype).replace("torch.", ""),
+            "device": str(prepared.target.device),
+            "prompt_tokens": len(prepared.prompt_ids),
+            "max_new_tokens": prepared.settings.max_new_tokens,
+            **record,
+        }
+    race_logger.info("race %s", json.dumps(record, sort_keys=False))
+
+
+def log_refusal(reason: str) -> None:
+    """One structured line about a request refused before it raced (the reason, never the prompt's text)."""
+    race_logger.info("race %s", json.dumps({"ended": "refused", "reason": reason}))
 
 
 def status_text(state: RaceState | None) -> str:
@@ -432,6 +588,11 @@ def status_text(state: RaceState | None) -> str:
     comparison = state.comparison
     speed = f"{comparison.speedup:.2f}×" if comparison and comparison.speedup else "–"
     load = f" Models ready in {prepared.load_seconds:.1f} s." if prepared and prepared.load_seconds > 1 else ""
+    if state.stop_reason is not None:
+        return (
+            f"Stopped ({state.stop_reason}): so far speculative decoding ran {speed} as fast as plain decoding "
+            f"({state.plain.counters.new_tokens} and {state.spec.counters.new_tokens} tokens written).{load}"
+        )
     return f"Done: speculative decoding ran {speed} as fast as plain decoding.{load}"
 
 
@@ -503,7 +664,8 @@ def result_dict(state: RaceState, stopped: bool = False) -> dict[str, Any]:
         "divergence": None
         if state.divergence is None
         else {"position": state.divergence, "logit_margin": state.margin},
-        "stopped": stopped,
+        "stopped": stopped or state.stop_reason is not None,
+        "stop_reason": state.stop_reason,
     }
     if prepared is not None:
         sampling = prepared.settings.sampling
@@ -524,6 +686,15 @@ def result_dict(state: RaceState, stopped: bool = False) -> dict[str, Any]:
         )
         result["log"] = state.log().to_json()
     return result
+
+
+def progress_dict(state: RaceState) -> dict[str, Any]:
+    """What the ``/race`` API streams while a race runs: tokens written and own compute seconds per side."""
+    return {
+        "running": True,
+        "plain": {"new_tokens": state.plain.counters.new_tokens, "seconds": state.plain.counters.seconds},
+        "spec": {"new_tokens": state.spec.counters.new_tokens, "seconds": state.spec.counters.seconds},
+    }
 
 
 def view(state: RaceState, final: bool, running: bool = True) -> tuple:
@@ -571,7 +742,9 @@ class Handlers:
 
     racer: Racer
     race: Callable[..., Iterator[tuple]]
-    api: Callable[..., dict]
+    api: Callable[..., Iterator[dict]]
+    race_validator: Callable[..., list[dict]]  # the queue runs these before queueing: bad input never waits
+    api_validator: Callable[..., list[dict]]
 
 
 def example_prompts(config: AppConfig) -> list[tuple[str, str]]:
@@ -660,8 +833,13 @@ def make_handlers(config: AppConfig) -> Handlers:
         target: str = "",
         draft: str = "",
         dtype: str = "",
-    ) -> dict:
-        """Run one race to the end; returns the final texts, per-token kinds and metrics as JSON."""
+    ) -> Iterator[dict]:
+        """Run one race to the end: a short progress object after every round, then the final texts, per-token
+        kinds and metrics as JSON (``client.predict`` returns that last one).
+
+        Yielding every round lets the queue close the race within one round when the client cancels or
+        disconnects, so the worker is free for the next visitor.
+        """
         request = RaceRequest(
             prompt, pair or None, target, draft, mode, draft_tokens, max_new_tokens, temperature, top_p, seed,
             dtype or config.dtype, "none", chat,
@@ -670,17 +848,62 @@ def make_handlers(config: AppConfig) -> Handlers:
             prepared = racer.prepare(request)
         except InputError as error:
             raise gr.Error(str(error), print_exception=False) from None
+        states = racer.run(prepared)
         state = None
         try:
-            for state in racer.run(prepared):
-                pass
+            for state in states:
+                if state.done:
+                    break
+                yield progress_dict(state)
         except (RuntimeError, ValueError) as error:
             logger.exception("The race failed")
             raise gr.Error(f"the race failed: {_first_line(error)}", print_exception=False) from None
+        finally:
+            states.close()
         assert state is not None
-        return result_dict(state)
+        yield result_dict(state)
 
-    return Handlers(racer, gpu(race_handler, duration=config.gpu_duration), gpu(api_race, duration=config.gpu_duration))
+    def validation(request: RaceRequest, names: Sequence[str]) -> list[dict]:
+        """One ``gr.validate`` per input: the cheap checks of :meth:`Racer.check`, the message on the input at
+        fault (or on the prompt)."""
+        try:
+            racer.check(request)
+        except InputError as error:
+            log_refusal(str(error))
+            blamed = error.field if error.field in names else names[0]
+            return [gr.validate(name != blamed, str(error) if name == blamed else "") for name in names]
+        return [gr.validate(True, "") for _ in names]
+
+    def race_validator(*values: Any) -> list[dict]:
+        return validation(RaceRequest(*values), INPUTS)
+
+    def api_validator(
+        prompt: str,
+        pair: str = "",
+        mode: str = "draft",
+        draft_tokens: str = "adaptive",
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        chat: bool = True,
+        target: str = "",
+        draft: str = "",
+        dtype: str = "",
+    ) -> list[dict]:
+        request = RaceRequest(
+            prompt, pair or None, target, draft, mode, draft_tokens, max_new_tokens, temperature, top_p, seed,
+            dtype or config.dtype, "none", chat,
+        )
+        return validation(request, API_INPUTS)
+
+    return Handlers(
+        racer,
+        gpu(race_handler, duration=config.gpu_duration),
+        gpu(api_race, duration=config.gpu_duration),
+        race_validator,
+        api_validator,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -966,6 +1189,7 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
             api_visibility="undocumented",
             api_name="race_stream",
             show_progress="minimal",
+            validator=handlers.race_validator,
         )
         # recordings: only once the race has ended, on the device's queue so that no race runs meanwhile
         recorder = Recorder()
@@ -994,7 +1218,8 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
         pair.change(lambda key, current: mode_for_pair(config, key, current), inputs=[pair, mode], outputs=mode,
                     queue=False, api_visibility="private")
         show_rejected.change(fn=None, inputs=show_rejected, js=SHOW_REJECTED_JS)
-        gr.api(handlers.api, api_name="race", concurrency_limit=1, concurrency_id="device")
+        api = gr.api(handlers.api, api_name="race", concurrency_limit=1, concurrency_id="device")
+        demo.fns[api["id"]].validator = handlers.api_validator  # gr.api takes no validator argument (Gradio 6)
     demo.queue(max_size=config.max_queue, default_concurrency_limit=1)
     demo.specdemo_handlers = handlers  # for tests and embedding
     demo.specdemo_recorder = recorder
@@ -1007,9 +1232,11 @@ def preload(demo: gr.Blocks) -> None:
     config = racer.config
     key = config.default_pair()
     preset = config.presets[key]
+    settings = LoadSettings(dtype=config.dtype, device=config.device)
     try:
-        racer._load(preset.target, LoadSettings(dtype=config.dtype, device=config.device), lambda f, m: None, "target")
-        racer._load(preset.draft, LoadSettings(dtype=config.dtype, device=config.device), lambda f, m: None, "draft")
+        racer._switch_pair(preset.target, settings, preset.draft, settings)
+        racer._load(preset.target, settings, lambda f, m: None, "target")
+        racer._load(preset.draft, settings, lambda f, m: None, "draft")
     except InputError as error:
         logger.warning("Preloading %s failed: %s", key, error)
 

@@ -256,10 +256,14 @@ class _Frames:
         left, top = self.pane_left[side], self.head_top
         title = self.titles[side][0]
         draw.text((left, top), title, font=self.head_font, fill=INK)
-        chip = f"done ({pane.finish_reason})" if pane.finished else "running…"
+        if pane.finished:
+            chip, colours = f"done ({pane.finish_reason})", ("#dcfce7", "#166534")
+        elif self.log.stop_reason and clock >= self.log.seconds:
+            chip, colours = f"stopped ({self.log.stop_reason})", ("#e5e7eb", "#374151")
+        else:
+            chip, colours = "running…", ("#fef3c7", "#92400e")
         chip_left = left + round(self.head_font.getlength(title)) + tx(10)
         chip_width = round(self.small_font.getlength(chip)) + tx(14)
-        colours = ("#dcfce7", "#166534") if pane.finished else ("#fef3c7", "#92400e")
         draw.rounded_rectangle((chip_left, top + tx(1), chip_left + chip_width, top + tx(20)), tx(9), fill=colours[0])
         draw.text((chip_left + tx(7), top + tx(11)), chip, font=self.small_font, fill=colours[1], anchor="lm")
         own_clock = min(clock, self.ends[side])
@@ -300,7 +304,7 @@ class _Frames:
         """The last frame with the final figures on a card in the middle."""
         tx, video = self.tx, self.video
         state = self.state
-        state.done, state.divergence, state.margin = self.log.done, self.log.divergence, self.log.margin
+        state.conclude(self.log)
         shaded = Image.blend(image, Image.new("RGB", image.size, INK), 0.35)
         draw = ImageDraw.Draw(shaded)
         width, height = min(tx(760), video.width - 2 * self.px(24)), min(tx(330), video.height - 2 * self.px(12))

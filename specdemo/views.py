@@ -86,6 +86,10 @@ class PaneState:
     def html(self) -> str:
         return "".join(self.spans)
 
+    def output_ids(self) -> list[int]:
+        """The ids written so far (the whole output once finished)."""
+        return list(self.ids) if self.finished else [t.id for t in self.tokens]
+
     def metrics(self) -> RunMetrics:
         return run_metrics(self.counters)
 
@@ -100,6 +104,7 @@ class RaceState:
     done: bool = False
     divergence: int | None = None
     margin: float | None = None
+    stop_reason: str | None = None  # set when the race ended before both sides finished (e.g. the time budget)
     settings: RaceSettings | None = None  # what was raced (from ``prepared`` unless given)
 
     def __post_init__(self) -> None:
@@ -125,17 +130,28 @@ class RaceState:
         if self.settings is None:
             raise ValueError("a race state without settings cannot be logged")
         return RaceLog(
-            self.settings, list(self.plain.rounds), list(self.spec.rounds), self.done, self.divergence, self.margin
+            self.settings,
+            list(self.plain.rounds),
+            list(self.spec.rounds),
+            self.done,
+            self.divergence,
+            self.margin,
+            self.stop_reason,
         )
 
     @classmethod
     def from_log(cls, log: RaceLog) -> RaceState:
         """The final state of a logged race, rebuilt round by round as the app built it."""
-        state = cls(None, settings=log.settings, done=log.done, divergence=log.divergence, margin=log.margin)
+        state = cls(None, settings=log.settings)
         for pane in (state.plain, state.spec):
             for event in log.events(pane.side):
                 pane.add(event)
+        state.conclude(log)
         return state
+
+    def conclude(self, log: RaceLog) -> None:
+        """Take the logged race's outcome (once its rounds are in): done, where the outputs part, why it stopped."""
+        self.done, self.divergence, self.margin, self.stop_reason = log.done, log.divergence, log.margin, log.stop_reason
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -282,6 +298,12 @@ def identical_html(state: RaceState | None) -> str:
     if state is None or not state.done:
         text = "comparing when both finish…" if state is not None else "identical output?"
         return f'<div class="badge badge-pending">{html.escape(text)}</div>'
+    if state.divergence is None and state.stop_reason is not None:
+        compared = min(len(state.plain.tokens), len(state.spec.tokens))
+        return (
+            f'<div class="badge badge-same" title="the race stopped early; both outputs agree as far as both got">'
+            f"✓ identical so far ({compared} tokens; stopped: {html.escape(state.stop_reason)})</div>"
+        )
     if state.divergence is None:
         return (
             f'<div class="badge badge-same" title="speculative output equals plain output token for token">'

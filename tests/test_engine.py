@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specdemo.draft_length import CostAwareDraftLength, FixedDraftLength, HeuristicDraftLength, make_policy
 from specdemo.drafters import DraftModelDrafter, NgramDrafter

@@ -91,6 +91,18 @@ def test_log_is_compact(log: RaceLog) -> None:
     assert "counters" not in json.dumps(data) and "accepted_lengths" not in json.dumps(data)
 
 
+def test_a_race_stopped_by_the_time_budget_is_logged_as_such() -> None:
+    racer = ui.Racer(tiny_app.config(race_time_budget=0.3))
+    request = ui.RaceRequest(PROMPT, "tiny-slow", mode="draft", draft_tokens="4", max_new_tokens=400, dtype="float32")
+    for state in racer.run(racer.prepare(request)):
+        pass
+    log = state.log()
+    assert log.stop_reason == ui.TIME_BUDGET and log.done and not log.plain[-1].finish_reason
+    assert RaceLog.from_json(json.loads(racelog.dumps(log))) == log
+    assert RaceState.from_log(log).stop_reason == ui.TIME_BUDGET
+    assert "identical so far" in html_replay.render_html(log)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

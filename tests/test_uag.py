@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdemo.draft_length import FixedDraftLength, make_policy
-from specdemo.engine import GenerationSettings, collect, plain_decode, speculative_decode
+from specdemo.engine import GenerationSettings, collect, speculative_decode
 from specdemo.lm import CachedLM
 from specdemo.sampling import SamplingSettings
 from specdemo.uag import (
@@ -78,7 +78,6 @@ def test_eos_inside_a_draft_and_a_useful_draft():
             produced = list(context[len(prompt) :])
             future = free_run[len(produced) : len(produced) + max_tokens + 2]
             draft_ids = sentencepiece(byte_level.decode(future, skip_special_tokens=False), add_special_tokens=False)["input_ids"]
-            text = text_after(sentencepiece, self.stream[-4:], draft_ids) or ""
             tokens = to_target_tokens(byte_level, context, sentencepiece.decode(draft_ids))
             return super().propose(context, 0) if not tokens else type(super().propose(context, 0))(tokens[:max_tokens], None)
 

@@ -253,13 +253,14 @@ def test_sampling_runs_and_says_why_texts_differ(handlers: ui.Handlers) -> None:
 
 
 def test_api_returns_texts_kinds_and_metrics(handlers: ui.Handlers) -> None:
-    result = handlers.api(PROMPT, pair="tiny", mode="draft", draft_tokens="3", max_new_tokens=16, chat=False)
+    *progress, result = handlers.api(PROMPT, pair="tiny", mode="draft", draft_tokens="3", max_new_tokens=16, chat=False)
+    assert progress and all(p["running"] for p in progress)
     assert result["plain"]["text"] == result["spec"]["text"] and result["identical"] is True
     assert set(result["spec"]["kinds"]) <= {ACCEPTED, CORRECTED, BONUS, PLAIN}
     assert result["plain"]["metrics"]["new_tokens"] == 16 and result["speedup"] > 0
     assert {"speedup", "draft_cost", "verify_cost", "expected_speedup"} <= set(result["comparison"])
     with pytest.raises(gr.Error, match="prompt is empty"):
-        handlers.api("", pair="tiny")
+        list(handlers.api("", pair="tiny"))
 
 
 def test_warm_up_runs_once_per_pair() -> None:

@@ -1,0 +1,268 @@
+"""Serving many visitors: bounded work per race, stoppable API races, models freed on pair switches, a race log."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import time
+import weakref
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tiny_app
+from specdemo import drafters, models, ui
+from specdemo.models import LoadSettings, cache_key
+from specdemo.pipeline import InputError, MAX_CHARS_PER_TOKEN, default_max_prompt_tokens, release_models
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPT = "hello world the cat sat on the mat"
+
+
+class SpyLoader:
+    """``tiny_app.loader`` that remembers what it was asked to load."""
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    def __call__(self, source, settings=LoadSettings(), progress=True, on_progress=None):
+        self.loaded.append(source)
+        return tiny_app.loader(source, settings, progress, on_progress)
+
+
+def race_records(caplog: pytest.LogCaptureFixture) -> list[dict]:
+    return [
+        json.loads(r.getMessage().removeprefix("race "))
+        for r in caplog.records
+        if r.name == "specdemo.ui.races"
+    ]
+
+
+def test_default_prompt_cap_fits_the_hardware() -> None:
+    assert default_max_prompt_tokens("cpu") == 2048
+    assert default_max_prompt_tokens("cuda") > 2048
+    assert ui.AppConfig(device="cpu").prompt_token_limit() == 2048
+    assert ui.AppConfig(device="cpu", max_prompt_tokens=99).prompt_token_limit() == 99
+
+
+def test_huge_prompt_is_refused_at_once_and_nothing_loads(caplog: pytest.LogCaptureFixture) -> None:
+    spy = SpyLoader()
+    racer = ui.Racer(tiny_app.config(loader=spy))
+    prompt = " ".join(["word"] * 20_000)
+    caplog.set_level(logging.INFO, logger="specdemo.ui.races")
+    started = time.perf_counter()
+    with pytest.raises(InputError, match=r"too long: 99,999 characters.*2,048 prompt tokens"):
+        racer.prepare(ui.RaceRequest(prompt, pair="tiny"))
+    assert time.perf_counter() - started < 1.0
+    assert spy.loaded == []
+    (record,) = race_records(caplog)
+    assert record["ended"] == "refused" and "word" not in json.dumps(record)
+
+
+def test_prompt_over_the_token_cap_is_refused_before_the_draft_loads_or_any_pass() -> None:
+    spy = SpyLoader()
+    racer = ui.Racer(tiny_app.config(loader=spy, max_prompt_tokens=5))
+    prompt = "one two three four five six seven"  # 7 tokens, well under the character bound
+    assert len(prompt) < 5 * MAX_CHARS_PER_TOKEN
+    with pytest.raises(InputError, match="7 tokens, over the limit of 5 prompt tokens"):
+        racer.prepare(ui.RaceRequest(prompt, pair="tiny", chat=False))
+    assert spy.loaded == ["tiny:target"]
+    prepared = racer.prepare(ui.RaceRequest("one two three four five", pair="tiny", chat=False, max_new_tokens=4))
+    assert len(prepared.prompt_ids) == 5
+
+
+def test_time_budget_ends_the_race_with_its_figures_so_far(caplog: pytest.LogCaptureFixture) -> None:
+    racer = ui.Racer(tiny_app.config(race_time_budget=0.4))
+    prepared = racer.prepare(ui.RaceRequest(PROMPT, pair="tiny-slow", draft_tokens="2", max_new_tokens=480))
+    caplog.set_level(logging.INFO, logger="specdemo.ui.races")
+    started = time.perf_counter()
+    *_, state = racer.run(prepared)
+    assert time.perf_counter() - started < 3.0  # the whole race would need about 10 s
+    assert state.done and state.stop_reason == ui.TIME_BUDGET
+    assert 0 < state.plain.counters.new_tokens < 480 and 0 < state.spec.counters.new_tokens < 480
+    assert state.identical is True and state.comparison is not None and state.comparison.speedup > 0
+    assert "identical so far" in ui.identical_html(state)
+    assert ui.status_text(state).startswith("Stopped (time budget)")
+    result = ui.result_dict(state)
+    assert result["stopped"] is True and result["stop_reason"] == "time budget" and result["speedup"] > 0
+    (record,) = race_records(caplog)
+    assert record["ended"] == "time budget" and record["pair"] == "tiny-slow" and record["mode"] == "draft"
+    assert record["new_tokens"]["plain"] == state.plain.counters.new_tokens and record["speedup"] > 0
+
+
+def test_every_race_logs_one_line_without_the_prompt(caplog: pytest.LogCaptureFixture) -> None:
+    racer = ui.Racer(tiny_app.config())
+    caplog.set_level(logging.INFO, logger="specdemo.ui.races")
+    prepared = racer.prepare(ui.RaceRequest(PROMPT, pair="tiny", max_new_tokens=8))
+    *_, state = racer.run(prepared)
+    states = racer.run(prepared)  # a second race, stopped after its first round
+    next(states)
+    states.close()
+    done, cancelled = race_records(caplog)
+    assert done["ended"] == "done" and done["identical"] is True and done["new_tokens"] == {"plain": 8, "spec": 8}
+    assert done["prompt_tokens"] == len(prepared.prompt_ids) and done["seconds"] > 0
+    assert {"pair", "mode", "target", "draft", "dtype", "device", "speedup"} <= set(done)
+    assert cancelled["ended"] == "cancelled"
+    assert "cat" not in json.dumps(done) + json.dumps(cancelled)
+
+
+def test_switching_pairs_frees_the_models_the_new_pair_does_not_use() -> None:
+    forgotten: list[frozenset] = []
+    racer = ui.Racer(tiny_app.config(forget_models=forgotten.append))
+    settings = LoadSettings(dtype="auto", device="cpu")  # what the requests ask for
+    racer.prepare(ui.RaceRequest(PROMPT, pair="tiny", max_new_tokens=4))
+    racer.prepare(ui.RaceRequest(PROMPT, pair="tiny", mode="ngram", max_new_tokens=4))
+    racer.prepare(ui.RaceRequest(PROMPT, pair="tiny", max_new_tokens=4))
+    racer.prepare(ui.RaceRequest(PROMPT, pair="tiny-slow", max_new_tokens=4))
+    racer.prepare(ui.RaceRequest(PROMPT, pair="tiny-slow", target="tiny:target", mode="ngram", max_new_tokens=4))
+    assert forgotten == [  # a draft-free mode on the same pair keeps its draft
+        frozenset({cache_key("tiny:slow", settings), cache_key("tiny:draft", settings)}),
+        frozenset({cache_key("tiny:target", settings), cache_key("tiny:draft", settings)}),
+    ]
+
+
+def test_released_models_take_their_int8_copies_with_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config).eval()
+    copies, heads = len(drafters._INT8_COPIES), len(drafters._INT8_HEADS)  # other tests' models may hold some
+    assert drafters.int8_copy(model) is drafters.int8_copy(model)
+    assert drafters.int8_head(model) is not None
+    monkeypatch.setitem(models._cache, ("tiny:weak", "torch.float32", "cpu", None, False), object())
+    monkeypatch.setitem(models._cache, ("tiny:kept", "torch.float32", "cpu", None, False), object())
+    alive = weakref.ref(model)
+    del model
+    release_models(keep={("tiny:kept", "torch.float32", "cpu", None, False)})
+    gc.collect()
+    assert alive() is None
+    assert (len(drafters._INT8_COPIES), len(drafters._INT8_HEADS)) == (copies, heads)
+    assert ("tiny:weak", "torch.float32", "cpu", None, False) not in models._cache
+    assert ("tiny:kept", "torch.float32", "cpu", None, False) in models._cache
+
+
+def test_app_arguments_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    def load_app():
+        spec = importlib.util.spec_from_file_location("app", Path(__file__).parents[1] / "app.py")
+        app = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(app)
+        return app
+
+    monkeypatch.delenv("SPECDEMO_MAX_PROMPT_TOKENS", raising=False)
+    monkeypatch.delenv("SPECDEMO_RACE_TIME_BUDGET", raising=False)
+    monkeypatch.delenv("SPACE_ID", raising=False)
+    args = load_app().build_parser().parse_args([])
+    assert args.max_prompt_tokens is None and args.race_time_budget is None
+    args = load_app().build_parser().parse_args(["--max-prompt-tokens", "512", "--race-time-budget", "90"])
+    assert args.max_prompt_tokens == 512 and args.race_time_budget == 90.0
+    monkeypatch.setenv("SPECDEMO_MAX_PROMPT_TOKENS", "1000")
+    monkeypatch.setenv("SPECDEMO_RACE_TIME_BUDGET", "30")
+    args = load_app().build_parser().parse_args([])
+    assert args.max_prompt_tokens == 1000 and args.race_time_budget == 30.0
+    with pytest.raises(SystemExit):
+        load_app().build_parser().parse_args(["--max-prompt-tokens", "0"])
+    monkeypatch.setenv("SPECDEMO_MAX_PROMPT_TOKENS", "lots")
+    with pytest.raises(SystemExit, match="SPECDEMO_MAX_PROMPT_TOKENS must be a number"):
+        load_app().build_parser()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the /race API served for real: a cancelled or disconnected client frees the worker
+
+gradio_client = pytest.importorskip("gradio_client", reason="gradio_client is not installed: pip install gradio_client")
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The app on tiny models, with the decoders of every race kept to see when a race is closed."""
+    spied: list = []
+    real_race = ui.race
+
+    def spying_race(plain, spec):
+        spied.extend([plain, spec])
+        return real_race(plain, spec)
+
+    ui.race = spying_race
+    demo = ui.build_app(tiny_app.config(update_interval=0.05))
+    port = tiny_app.free_port()
+    try:
+        ui.launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+        yield f"http://127.0.0.1:{port}/", spied
+    finally:
+        demo.close()
+        ui.race = real_race
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def closed(decoders) -> bool:
+    return all(d.gi_frame is None for d in decoders)
+
+
+def test_a_cancelled_api_race_frees_the_queue(served) -> None:
+    url, spied = served
+    client = gradio_client.Client(url, verbose=False)
+    spied.clear()
+    job = client.submit(PROMPT, "tiny-slow", "draft", "1", 480, api_name="/race")
+    assert wait_for(lambda: len(spied) >= 2, 60), "the race never started"
+    time.sleep(0.3)
+    job.cancel()
+    assert wait_for(lambda: closed(spied[:2]), 2.0), "the cancelled race is still running"
+    started = time.monotonic()
+    assert client.predict(prompt=PROMPT, pair="tiny", max_new_tokens=8, api_name="/race")["identical"] is True
+    assert time.monotonic() - started < 10
+
+
+def test_a_disconnected_api_client_frees_the_worker(served) -> None:
+    import httpx
+
+    url, spied = served
+    spied.clear()
+    with httpx.Client(base_url=url, timeout=30) as http:
+        posted = http.post(
+            "gradio_api/call/race", json={"data": [PROMPT, "tiny-slow", "draft", "1", 480, 0.0, 1.0, 0, True, "", "", ""]}
+        )
+        event_id = posted.json()["event_id"]
+        with http.stream("GET", f"gradio_api/call/race/{event_id}") as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data:") and "running" in line:
+                    break  # the race is under way: now hang up
+    assert wait_for(lambda: len(spied) >= 2, 10)
+    assert wait_for(lambda: closed(spied[:2]), 3.0), "the race of a client that hung up is still running"
+    client = gradio_client.Client(url, verbose=False)
+    assert client.predict(prompt=PROMPT, pair="tiny", max_new_tokens=8, api_name="/race")["identical"] is True
+
+
+def test_bad_input_is_refused_at_once_while_a_race_holds_the_worker(served) -> None:
+    url, spied = served
+    client = gradio_client.Client(url, verbose=False)
+    spied.clear()
+    job = client.submit(PROMPT, "tiny-slow", "draft", "1", 480, api_name="/race")
+    assert wait_for(lambda: len(spied) >= 2, 60), "the race never started"
+    try:
+        for kwargs, message in [
+            ({"prompt": " ".join(["word"] * 20_000)}, "prompt: the prompt is too long: 99,999 characters"),
+            ({"prompt": PROMPT, "mode": "nope"}, "mode: unknown mode 'nope'"),
+            ({"prompt": PROMPT, "max_new_tokens": 10**7}, "max_new_tokens: max new tokens must be"),
+        ]:
+            started = time.monotonic()
+            with pytest.raises(Exception, match=message):
+                client.predict(api_name="/race", **kwargs)
+            assert time.monotonic() - started < 1.0  # not queued behind the running race
+        assert not job.done()
+    finally:
+        job.cancel()
+    assert wait_for(lambda: closed(spied[:2]), 2.0)
