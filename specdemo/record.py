@@ -80,24 +80,25 @@ def build_parser() -> argparse.ArgumentParser:
         "GIF, a self-contained HTML replay and/or a JSON log.",
     )
     outputs = parser.add_argument_group("what to write (at least one)")
-    outputs.add_argument("--mp4", type=Path, help="H.264 video, 1280x720, 30 fps, the final card held 2 s")
-    outputs.add_argument("--gif", type=Path, help="animated GIF, 640x360, 10 fps")
-    outputs.add_argument("--html", type=Path, help="self-contained HTML replay (play, pause, speed, scrubber)")
-    outputs.add_argument("--json", type=Path, help="the race log (re-render it later with --from)")
-    outputs.add_argument("--speed", type=float, default=1.0, help="video pace: race seconds per video second "
-                         "(default 1: true timing; 2 compresses a long race to half)")
-    outputs.add_argument("--from", dest="source", type=Path,
+    outputs.add_argument("--mp4", type=Path, metavar="FILE", help="H.264 video, 1280x720, 30 fps, final card held 2 s")
+    outputs.add_argument("--gif", type=Path, metavar="FILE", help="animated GIF, 640x360, 10 fps")
+    outputs.add_argument("--html", type=Path, metavar="FILE", help="self-contained HTML replay (play, speed, scrubber)")
+    outputs.add_argument("--json", type=Path, metavar="FILE", help="the race log (re-render it later with --from)")
+    outputs.add_argument("--speed", type=float, default=1.0, metavar="X",
+                         help="video pace: race seconds per video second (default 1: true timing; 2 compresses a "
+                         "long race to half)")
+    outputs.add_argument("--from", dest="source", type=Path, metavar="FILE",
                          help="re-render a saved race log or /race response instead of racing")
     race = parser.add_argument_group("the race (as in the app and the bench)")
-    race.add_argument("--prompt", help="the prompt text")
-    race.add_argument("--prompt-file", type=Path, help="read the prompt from this text file")
-    race.add_argument("--pair", help="pair preset (default: the offline pair if installed)")
+    race.add_argument("--prompt", metavar="TEXT", help="the prompt text")
+    race.add_argument("--prompt-file", type=Path, metavar="FILE", help="read the prompt from this text file")
+    race.add_argument("--pair", metavar="KEY", help="pair preset (default: the offline pair if installed)")
     race.add_argument("--target", help="target model: offline:NAME, Hub id, local folder or .gguf file")
     race.add_argument("--draft", help="draft model (same sources as --target)")
     race.add_argument("--mode", default="draft", help="speculative mode: draft, ngram or uag (default draft)")
-    race.add_argument("--num-draft-tokens", "--draft-tokens", dest="draft_tokens", default="adaptive",
+    race.add_argument("--num-draft-tokens", "--draft-tokens", dest="draft_tokens", default="adaptive", metavar="K",
                       help="k, 'adaptive' (cost-aware) or 'heuristic' (+2/-1)")
-    race.add_argument("--max-new-tokens", type=int, default=128)
+    race.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     race.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     race.add_argument("--top-p", type=float, default=1.0)
     race.add_argument("--seed", type=int, default=0)

@@ -320,11 +320,12 @@ class _Frames:
         draw.text((centre, top + tx(64)), headline, font=self.big_font, fill=accent, anchor="mm")
         draw.text((centre, top + tx(118)), note, font=self.small_font, fill=MUTED, anchor="mm")
         metrics = state.spec.metrics()
+        expected = comparison.expected_speedup if comparison else None
         figures = [
             ("acceptance", "–" if metrics.acceptance_rate is None else f"{metrics.acceptance_rate:.0%}"),
-            ("accepted length", "–" if metrics.mean_accepted_length is None else f"{metrics.mean_accepted_length:.2f}"),
-            ("expected speedup",
-             "–" if not comparison or comparison.expected_speedup is None else f"{comparison.expected_speedup:.2f}×"),
+            ("accepted length", "–" if metrics.mean_accepted_length is None
+             else f"{metrics.mean_accepted_length:.2f}"),
+            ("expected speedup", "–" if expected is None else f"{expected:.2f}×"),
         ]
         column = width // len(figures)
         for number, (label, value) in enumerate(figures):

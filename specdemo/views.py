@@ -151,7 +151,8 @@ class RaceState:
 
     def conclude(self, log: RaceLog) -> None:
         """Take the logged race's outcome (once its rounds are in): done, where the outputs part, why it stopped."""
-        self.done, self.divergence, self.margin, self.stop_reason = log.done, log.divergence, log.margin, log.stop_reason
+        self.done, self.divergence, self.margin = log.done, log.divergence, log.margin
+        self.stop_reason = log.stop_reason
 
 
 # ----------------------------------------------------------------------------------------------------------------
