@@ -70,7 +70,8 @@ from .views import (  # noqa: F401  # render_token and token_title: re-exported,
 )
 
 logger = logging.getLogger(__name__)
-#: one structured line per race (pair, mode, sizes, seconds, speedup, how it ended; never the prompt's text)
+#: the server log: one structured line per race (pair, mode, sizes, seconds, speedup, how it ended; never the
+#: prompt's text); not the race log of :mod:`specdemo.racelog`, which records a race round by round
 race_logger = logging.getLogger(__name__ + ".races")
 
 #: why a race stopped before both sides finished
@@ -501,7 +502,7 @@ class Racer:
 
         Closing this generator (the Stop button, a cancelled or disconnected API client) closes the race, which
         closes both decoders. When the race outlives the configured time budget it stops there, with the figures
-        of what both sides wrote so far. Every race ends with one line in the race log.
+        of what both sides wrote so far. Every race ends with one line in the server log (:func:`log_race`).
         """
         state = RaceState(prepared)
         plain = plain_events(prepared.target, prepared.prompt_ids, prepared.settings)
