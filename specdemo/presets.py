@@ -22,6 +22,8 @@ class PairPreset:
     description: str
     hardware: str
     mode: str = "draft"
+    #: the app process's measured resident memory after a race on this pair ("" where nobody measured it yet)
+    resident_memory: str = ""
 
 
 PRESETS: dict[str, PairPreset] = {
@@ -34,7 +36,8 @@ PRESETS: dict[str, PairPreset] = {
             draft="offline:qwen2.5-coder-0.5b",
             description="Qwen2.5-Coder-1.5B-Instruct drafted by Qwen2.5-Coder-0.5B-Instruct, from the offline "
             "pack (Q4_K_M GGUF dequantized); no network needed.",
-            hardware="CPU ok (2 cores, bf16; ~6 GB RAM; first use converts ~2 min, 9 GB disk)",
+            hardware="CPU ok (2 cores, bf16; ~7 GB RAM; first use converts ~2 min, 9 GB disk)",
+            resident_memory="6.6–6.8 GB resident (app process, bf16, CPU, int8 draft copy included)",
         ),
         PairPreset(
             key="qwen2.5-7b",
@@ -77,7 +80,8 @@ PRESETS: dict[str, PairPreset] = {
             draft="offline:smollm2-135m",
             description="Universal assisted generation: SmolLM2-135M-Instruct (its own tokenizer) drafts for "
             "Qwen2.5-Coder-1.5B-Instruct through text; no network needed.",
-            hardware="CPU ok (bf16; ~7 GB RAM)",
+            hardware="CPU ok (bf16; ~5 GB RAM)",
+            resident_memory="4.3–4.4 GB resident (app process, bf16, CPU)",
             mode="uag",
         ),
         PairPreset(
@@ -87,6 +91,7 @@ PRESETS: dict[str, PairPreset] = {
             draft="offline:smollm2-135m",
             description="Universal assisted generation with the smaller Qwen target; no network needed.",
             hardware="CPU ok (bf16; ~3 GB RAM)",
+            resident_memory="2.1 GB resident (bf16, CPU, one race in a process with the app's modules)",
             mode="uag",
         ),
         PairPreset(

@@ -1003,7 +1003,8 @@ def _pair_info(config: AppConfig, key: str) -> str:
     preset = config.presets.get(key)
     if preset is None:
         return ""
-    return f"{preset.description}  \n*Hardware:* {preset.hardware}"
+    memory = preset.resident_memory or "not measured yet (Hub models); see the hardware line"
+    return f"{preset.description}  \n*Hardware:* {preset.hardware}  \n*Measured memory:* {memory}"
 
 
 def mode_for_pair(config: AppConfig, key: str, current: str) -> str:
