@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .calibration import calibrate
 from .drafters import NGRAM_PREFERENCES
 from .engine import Counters, GenerationSettings, RoundEvent, collect
 from .lm import now
@@ -458,6 +459,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, help="write all results to this JSON file")
     parser.add_argument("--plot", type=Path, help="write a PNG chart of speedup and acceptance per category")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--calibration",
+        choices=["cached", "refresh", "off"],
+        default="cached",
+        help="the machine's cost curve (a target pass over k tokens, a draft step), printed first and written to the "
+        "JSON: cached (measure once per machine, model and format, about 15 s), refresh (measure again) or off",
+    )
     return parser
 
 
@@ -532,7 +540,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             categories=categories,
             draft_settings={k: v for k, v in asdict(spec).items() if k != "mode"},
         )
+        curve = None
+        if args.calibration != "off":
+            curve = calibrate(target, draft, refresh=args.calibration == "refresh")
+            print(curve.summary(), flush=True)
         report = run_benchmark(config, target, draft, prompts, spec, progress=not args.quiet, uag_draft=uag_draft)
+        report["calibration"] = curve.as_dict() if curve is not None else None
     except (InputError, PromptFileError, ModelLoadError, OfflinePackError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -13,6 +13,12 @@ from specdemo.models import clear_model_cache
 from tiny import save_tiny_pair
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Calibrations of the tiny models go to a folder of the test's, not the user's cache."""
+    monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[str, str]:
     return save_tiny_pair(tmp_path_factory.mktemp("pair"))
@@ -65,6 +71,15 @@ def test_bench_json_and_identity(pair, prompt_file, tmp_path, capsys):
     assert set(report["by_category"]) == {"coding", "summary"}
     assert report["summary"]["draft"]["acceptance_rate"] is not None
     assert report["environment"]["dtype"] == "float32"
+    calibration = report["calibration"]  # the machine's cost curve, printed first and kept in the JSON
+    assert calibration["lengths"] == [1, 2, 4, 8, 16] and calibration["relative"][0] == 1.0
+    assert calibration["hardware"]["device"] == "cpu" and calibration["draft_seconds_per_token"] > 0
+    assert "a pass over k tokens costs" in table and "machine:" in table
+
+
+def test_bench_calibration_can_be_switched_off(pair, prompt_file, tmp_path, capsys):
+    report = _run(pair, prompt_file, tmp_path, "--modes", "plain,ngram", "--limit", "1", "--calibration", "off")
+    assert report["calibration"] is None and "machine:" not in capsys.readouterr().out
 
 
 def test_bench_sampling_runs(pair, prompt_file, tmp_path):

@@ -1,0 +1,315 @@
+"""What a forward pass costs on the machine at hand: the measured cost curve behind "why is it (not) faster here?".
+
+Speculative decoding pays when checking k tokens in one target pass costs about as much as producing one. That is
+a property of the hardware and the number format: on a GPU, or a CPU with native bfloat16 (AVX512-BF16, AMX), a
+pass over 8 tokens costs little more than a pass over one; on an AVX2-only CPU a bfloat16 pass over 4 tokens costs
+about three one-token passes. :func:`calibrate` measures, for a loaded target, one pass over k = 1, 2, 4, 8, 16 new
+tokens after a cached prefix (and the draft's cost per token), in about 15 s at most, and caches the curve on disk
+per machine, model and format, so later starts reuse it.
+
+From a curve, :meth:`CostCurve.break_even_acceptance` gives, per draft length, the acceptance rate a drafter needs
+for a round to beat plain decoding; draft lengths that cannot pay even with every draft accepted get None.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .lm import CachedLM, now
+from .models import LoadedModel
+from .offline import cache_home
+
+logger = logging.getLogger(__name__)
+
+#: new tokens per measured pass
+PASS_LENGTHS = (1, 2, 4, 8, 16)
+#: CPU instruction sets that decide what a bfloat16 or int8 pass costs
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+#: bump when the measurement changes, so old cached curves are measured again
+CALIBRATION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machine a curve was measured on: the CPU's model and relevant instruction sets, or the GPU's name."""
+
+    device: str
+    name: str
+    flags: tuple[str, ...] = ()
+    threads: int = 1
+    torch: str = ""
+
+    @property
+    def native_bfloat16(self) -> bool | None:
+        """Whether bfloat16 arithmetic is native here (a GPU, or a CPU with AVX512-BF16 or AMX); None: unknown."""
+        if self.device != "cpu":
+            return True
+        if not self.flags:
+            return None
+        return bool({"avx512_bf16", "amx_bf16"} & set(self.flags))
+
+    def describe(self) -> str:
+        if self.device != "cpu":
+            return f"{self.name} ({self.device})"
+        flags = ", ".join(self.flags) if self.flags else "instruction sets unknown"
+        return f"{self.name}, {self.threads} threads ({flags})"
+
+
+def _cpu_info() -> tuple[str, tuple[str, ...]]:
+    """The CPU's model name and those of :data:`CPU_FLAGS` it has (Linux /proc/cpuinfo; elsewhere the platform's
+    processor string and no flags)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine() or "unknown CPU", ()
+    name, flags = "", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not name:
+            name = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    return name or platform.machine() or "unknown CPU", tuple(f for f in CPU_FLAGS if f in flags)
+
+
+def detect_hardware(device: torch.device) -> Hardware:
+    """The hardware a model on ``device`` runs on."""
+    if device.type == "cuda":
+        return Hardware(str(device), torch.cuda.get_device_name(device), torch=torch.__version__)
+    if device.type != "cpu":
+        return Hardware(str(device), device.type, torch=torch.__version__)
+    name, flags = _cpu_info()
+    return Hardware("cpu", name, flags, torch.get_num_threads(), torch.__version__)
+
+
+@dataclass
+class CostCurve:
+    """Seconds of one target pass over k new tokens after ``prefix_tokens`` cached ones (medians)."""
+
+    hardware: Hardware
+    target: str
+    dtype: str
+    prefix_tokens: int
+    lengths: list[int]
+    seconds: list[float]
+    #: seconds of one draft-model step (one token) as the drafter runs it; None: no draft model measured
+    draft_seconds_per_token: float | None = None
+    draft: str | None = None
+    measured_seconds: float = 0.0  # how long the calibration took
+    measured_at: str = ""
+    version: int = CALIBRATION_VERSION
+    from_cache: bool = field(default=False, compare=False)
+
+    def cost(self, num_tokens: float) -> float:
+        """A pass over ``num_tokens`` new tokens in one-token passes (log-log interpolation between the measured
+        lengths, linear extrapolation past the longest)."""
+        base = self.seconds[0]
+        if num_tokens <= self.lengths[0]:
+            return 1.0
+        for (k0, s0), (k1, s1) in zip(zip(self.lengths, self.seconds), zip(self.lengths[1:], self.seconds[1:])):
+            if num_tokens <= k1:
+                share = (math.log(num_tokens) - math.log(k0)) / (math.log(k1) - math.log(k0))
+                return math.exp(math.log(s0) + share * (math.log(s1) - math.log(s0))) / base
+        k_last, s_last = self.lengths[-1], self.seconds[-1]
+        return s_last * num_tokens / k_last / base
+
+    @property
+    def relative(self) -> list[float]:
+        """Each measured pass in one-token passes (1.0 first)."""
+        return [s / self.seconds[0] for s in self.seconds]
+
+    @property
+    def draft_cost(self) -> float:
+        """One draft step in one-token target passes (0 for a drafter that costs nothing, like n-gram lookup)."""
+        if self.draft_seconds_per_token is None:
+            return 0.0
+        return self.draft_seconds_per_token / self.seconds[0]
+
+    def round_cost(self, draft_length: int, draft_cost: float | None = None) -> float:
+        """A round of ``draft_length`` drafts, in one-token passes: the drafting plus the verify pass over the last
+        token and the drafts."""
+        per_draft = self.draft_cost if draft_cost is None else draft_cost
+        return draft_length * per_draft + self.cost(draft_length + 1)
+
+    def break_even_acceptance(self, draft_length: int, draft_cost: float | None = None) -> float | None:
+        """The acceptance rate α at which a round of ``draft_length`` drafts writes tokens as fast as plain
+        decoding (expected tokens per round (1 − α^(k+1)) / (1 − α) equal to the round's cost); None when no α
+        can pay, that is when even k + 1 tokens per round do not cover the cost."""
+        cost = self.round_cost(draft_length, draft_cost)
+        if cost <= 1.0 + 1e-9:  # a round costs no more than a plain step: any acceptance pays
+            return 0.0
+        if draft_length + 1 <= cost:
+            return None
+        low, high = 0.0, 1.0
+        for _ in range(60):
+            alpha = (low + high) / 2
+            expected = (1 - alpha ** (draft_length + 1)) / (1 - alpha)
+            low, high = (alpha, high) if expected < cost else (low, alpha)
+        return (low + high) / 2
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["hardware"]["flags"] = list(self.hardware.flags)
+        data.pop("from_cache")
+        data["relative"] = self.relative
+        data["draft_cost"] = self.draft_cost
+        data["break_even_acceptance"] = {
+            str(k): self.break_even_acceptance(k) for k in range(1, self.lengths[-1] + 1)
+        }
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CostCurve":
+        hardware = dict(data["hardware"])
+        hardware["flags"] = tuple(hardware.get("flags", ()))
+        names = {f for f in cls.__dataclass_fields__ if f not in ("hardware", "from_cache")}
+        return cls(hardware=Hardware(**hardware), **{k: v for k, v in data.items() if k in names})
+
+    def summary(self) -> str:
+        """One line per fact, for the bench header and logs."""
+        passes = ", ".join(f"k={k}: {r:.2f}" for k, r in zip(self.lengths, self.relative))
+        paying = [k for k in range(1, self.lengths[-1] + 1) if self.break_even_acceptance(k) is not None]
+        lines = [
+            f"machine: {self.hardware.describe()}",
+            f"target pass ({self.target}, {self.dtype}): {self.seconds[0] * 1000:.0f} ms for one token; "
+            f"a pass over k tokens costs, in one-token passes: {passes}",
+        ]
+        if self.draft_seconds_per_token is not None:
+            lines.append(f"draft step ({self.draft}): {self.draft_seconds_per_token * 1000:.1f} ms "
+                         f"= {self.draft_cost:.2f} target passes")
+        if paying:
+            where = f"k = 1..{max(paying)}" if paying == list(range(1, max(paying) + 1)) else f"k in {paying}"
+            needed = ", ".join(f"k={k}: {self.break_even_acceptance(k):.0%}" for k in (1, 2, 4, 8) if k in paying)
+            lines.append(f"speculation can pay for {where}; acceptance needed to break even: {needed}")
+        else:
+            lines.append("speculation cannot pay here with this draft: a verify pass costs more than it can write")
+        return "\n".join(lines)
+
+
+def _median_pass_seconds(
+    lm: CachedLM, vocab_size: int, lengths: Sequence[int], repeats: int, budget_seconds: float,
+    generator: torch.Generator,
+) -> list[float]:
+    """Median seconds of one pass over k new tokens for each k, round-robin until ``repeats`` or the budget."""
+    device = lm.device
+    timings: dict[int, list[float]] = {k: [] for k in lengths}
+    started = time.perf_counter()
+    for round_index in range(repeats + 1):  # round 0 warms up and is not kept
+        for k in lengths:
+            ids = torch.randint(0, vocab_size, (k,), generator=generator)
+            begin = now(device)
+            lm.forward(ids, all_logits=True)
+            seconds = now(device) - begin
+            lm.rollback(k)
+            if round_index > 0:
+                timings[k].append(seconds)
+        if round_index >= 2 and time.perf_counter() - started > budget_seconds:
+            break
+    return [statistics.median(timings[k]) for k in lengths]
+
+
+def measure(
+    target: LoadedModel,
+    draft: LoadedModel | None = None,
+    lengths: Sequence[int] = PASS_LENGTHS,
+    prefix_tokens: int = 200,
+    repeats: int = 7,
+    budget_seconds: float = 12.0,
+    draft_int8: bool | None = None,
+) -> CostCurve:
+    """Measure a cost curve now (see :func:`calibrate` for the cached version).
+
+    The prefix is random token ids from a seeded generator of its own (the global RNG is not touched). The draft is
+    timed as the draft-model drafter runs it: its int8 copy on a CPU unless ``draft_int8`` is False.
+    """
+    started = time.perf_counter()
+    generator = torch.Generator().manual_seed(0)
+    vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
+    lm = CachedLM(target.model)
+    lm.reset()
+    lm.forward(torch.randint(0, vocab_size, (prefix_tokens,), generator=generator), all_logits=False)
+    seconds = _median_pass_seconds(lm, vocab_size, lengths, repeats, budget_seconds, generator)
+    lm.reset()
+    draft_seconds = None
+    if draft is not None:
+        from .drafters import int8_copy
+
+        model = draft.model
+        if (draft_int8 is None and draft.device.type == "cpu") or draft_int8:
+            model = int8_copy(draft.model) or draft.model
+        draft_lm = CachedLM(model)
+        draft_lm.reset()
+        draft_vocab = int(draft.model.get_output_embeddings().weight.shape[0])
+        draft_lm.forward(torch.randint(0, draft_vocab, (prefix_tokens,), generator=generator), all_logits=False)
+        (draft_seconds,) = _median_pass_seconds(draft_lm, draft_vocab, (1,), repeats, budget_seconds / 4, generator)
+        draft_lm.reset()
+    return CostCurve(
+        hardware=detect_hardware(target.device),
+        target=target.source,
+        dtype=str(target.dtype).replace("torch.", ""),
+        prefix_tokens=prefix_tokens,
+        lengths=list(lengths),
+        seconds=seconds,
+        draft_seconds_per_token=draft_seconds,
+        draft=draft.source if draft is not None else None,
+        measured_seconds=time.perf_counter() - started,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+
+
+def cache_path(target: LoadedModel, draft: LoadedModel | None, folder: Path | None = None) -> Path:
+    """Where the curve for this machine, target, format and draft is cached."""
+    hardware = detect_hardware(target.device)
+    key = json.dumps(
+        {
+            "version": CALIBRATION_VERSION,
+            "hardware": [hardware.device, hardware.name, list(hardware.flags), hardware.threads, hardware.torch],
+            "target": target.source,
+            "dtype": str(target.dtype),
+            "quantization": target.settings.quantization if target.settings else None,
+            "draft": None if draft is None else [draft.source, str(draft.dtype)],
+            "node": platform.node(),
+        },
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return (folder or cache_home() / "calibration") / f"{digest}.json"
+
+
+def calibrate(
+    target: LoadedModel, draft: LoadedModel | None = None, refresh: bool = False, folder: Path | None = None
+) -> CostCurve:
+    """The cost curve of ``target`` (and ``draft``) on this machine: read from the cache, else measured (about
+    15 s at most) and cached. A damaged cache file is measured again."""
+    path = cache_path(target, draft, folder)
+    if not refresh and path.is_file():
+        try:
+            curve = CostCurve.from_dict(json.loads(path.read_text()))
+            if curve.version == CALIBRATION_VERSION:
+                curve.from_cache = True
+                return curve
+        except (OSError, ValueError, TypeError, KeyError) as error:
+            logger.warning("Ignoring the cached calibration %s: %s", path, error)
+    logger.info("Calibrating %s (%s) on this machine", target.source, str(target.dtype).replace("torch.", ""))
+    curve = measure(target, draft)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(curve.as_dict(), indent=1))
+        os.replace(partial, path)
+    except OSError as error:  # a read-only home: the curve still serves this run
+        logger.warning("Could not cache the calibration at %s: %s", path, error)
+    return curve
