@@ -270,7 +270,9 @@ def measure(
     )
 
 
-def cache_path(target: LoadedModel, draft: LoadedModel | None, folder: Path | None = None) -> Path:
+def cache_path(
+    target: LoadedModel, draft: LoadedModel | None, folder: Path | None = None, draft_int8: bool | None = None
+) -> Path:
     """Where the curve for this machine, target, format and draft is cached."""
     hardware = detect_hardware(target.device)
     key = json.dumps(
@@ -280,7 +282,7 @@ def cache_path(target: LoadedModel, draft: LoadedModel | None, folder: Path | No
             "target": target.source,
             "dtype": str(target.dtype),
             "quantization": target.settings.quantization if target.settings else None,
-            "draft": None if draft is None else [draft.source, str(draft.dtype)],
+            "draft": None if draft is None else [draft.source, str(draft.dtype), draft_int8],
             "node": platform.node(),
         },
         sort_keys=True,
@@ -290,11 +292,15 @@ def cache_path(target: LoadedModel, draft: LoadedModel | None, folder: Path | No
 
 
 def calibrate(
-    target: LoadedModel, draft: LoadedModel | None = None, refresh: bool = False, folder: Path | None = None
+    target: LoadedModel,
+    draft: LoadedModel | None = None,
+    refresh: bool = False,
+    folder: Path | None = None,
+    draft_int8: bool | None = None,
 ) -> CostCurve:
-    """The cost curve of ``target`` (and ``draft``) on this machine: read from the cache, else measured (about
-    15 s at most) and cached. A damaged cache file is measured again."""
-    path = cache_path(target, draft, folder)
+    """The cost curve of ``target`` (and ``draft``, int8 as in :func:`measure`) on this machine: read from the
+    cache, else measured (about 15 s at most) and cached. A damaged cache file is measured again."""
+    path = cache_path(target, draft, folder, draft_int8)
     if not refresh and path.is_file():
         try:
             curve = CostCurve.from_dict(json.loads(path.read_text()))
@@ -304,7 +310,7 @@ def calibrate(
         except (OSError, ValueError, TypeError, KeyError) as error:
             logger.warning("Ignoring the cached calibration %s: %s", path, error)
     logger.info("Calibrating %s (%s) on this machine", target.source, str(target.dtype).replace("torch.", ""))
-    curve = measure(target, draft)
+    curve = measure(target, draft, draft_int8=draft_int8)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")

@@ -30,6 +30,7 @@ import torch
 
 from .bench import divergence, divergence_margin
 from .engine import Counters, GenerationSettings, TokenEvent, collect
+from .calibration import PASS_LENGTHS, CostCurve, calibrate
 from .memory import resident_gb, return_free_memory
 from .models import CacheKey, LoadedModel, LoadSettings, ModelLoadError, cache_key, load_model, resolve_device
 from .offline import OfflinePackError
@@ -85,6 +86,7 @@ DRAFT_LENGTHS = ["adaptive", "heuristic", *[str(k) for k in range(1, 13)]]
 #: categories of the labelled examples, in display order
 EXAMPLE_CATEGORIES = ("chat", "code-writing", "code-editing", "summarization", "translation")
 SIDE_LABELS = {"plain": "plain", "spec": "speculative"}
+COST_COLOURS = {"one-token pass (plain decoding)": "#9ca3af", "can pay": "#16a34a", "cannot pay": "#dc2626"}
 SIDE_COLOURS = {"plain": "#9ca3af", "speculative": "#16a34a"}
 
 #: the Run handler's outputs, in order (tests zip them with the yielded tuples)
@@ -101,6 +103,7 @@ OUTPUTS = (
     "length_plot",
     "position_plot",
     "result",
+    "cost_plot",
 )
 #: the ``/race`` API's inputs, in order
 API_INPUTS = (
@@ -169,6 +172,7 @@ class AppConfig:
     max_new_tokens_limit: int = 2048
     max_prompt_tokens: int | None = None  # cap on prompt tokens; None: 2,048 on a CPU, more on a GPU
     race_time_budget: float | None = None  # seconds of wall clock per race before it stops; None: no limit
+    calibrate: bool = True  # measure (once per machine, model and format) and chart what a pass costs here
     warmup_tokens: int = 16  # an untimed warm-up race of this many tokens the first time a pair runs (0: none)
     examples: list[Prompt] | None = None  # None: the bundled prompt set
     quantization_reason: str | None = "auto"  # "auto": detect; None: available; text: why it is disabled
@@ -238,6 +242,7 @@ class Prepared:
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
     pair: str | None = None  # the preset raced (None: custom models)
+    calibration: CostCurve | None = None  # this machine's cost curve for the target (and draft)
 
 
 @dataclass(frozen=True)
@@ -452,6 +457,14 @@ class Racer:
         except (RuntimeError, ValueError) as error:
             logger.exception("The warm-up run failed")
             raise InputError(f"the warm-up run failed: {_first_line(error)}") from None
+        if config.calibrate:
+            report(1.0, "Measuring what a pass costs on this machine (once per model and format)")
+            try:
+                # uag drafts in the draft's own dtype unless asked otherwise (see make_drafter)
+                draft_int8 = False if spec.mode == "uag" else spec.draft_int8
+                prepared.calibration = calibrate(target, draft, draft_int8=draft_int8)
+            except (RuntimeError, ValueError, OSError):  # the race runs without the chart
+                logger.exception("Calibration failed")
         return prepared
 
     def _switch_pair(
@@ -683,6 +696,7 @@ def result_dict(state: RaceState, stopped: bool = False) -> dict[str, Any]:
                 "dtype": str(prepared.target.dtype).replace("torch.", ""),
                 "device": str(prepared.target.device),
                 "prompt_tokens": len(prepared.prompt_ids),
+                "calibration": prepared.calibration.as_dict() if prepared.calibration is not None else None,
             }
         )
         result["log"] = state.log().to_json()
@@ -721,6 +735,7 @@ def view(state: RaceState, final: bool, running: bool = True) -> tuple:
         ]
     else:
         values += [gr.skip(), gr.skip(), gr.skip(), gr.skip()]
+    values.append(gr.skip())  # the cost curve: set once, when the race starts
     return tuple(values)
 
 
@@ -728,9 +743,38 @@ def starting_view(prepared: Prepared) -> tuple:
     """The first update of a race: empty panes, cleared charts."""
     state = RaceState(prepared)
     values = list(view(state, final=False))
-    values[-4:] = [None, None, None, None]
+    for name in ("race_plot", "length_plot", "position_plot", "result"):
+        values[OUTPUTS.index(name)] = None
     values[OUTPUTS.index("status")] = "Racing… each side is timed only on its own work."
+    values[OUTPUTS.index("cost_plot")] = cost_plot_update(prepared)
     return tuple(values)
+
+
+def cost_frame(curve: CostCurve, draft_cost: float | None = None) -> pd.DataFrame:
+    """One bar per measured pass length k: its cost in one-token passes, and whether a round of k − 1 drafts (a
+    verify pass over k tokens) can beat plain decoding, with the acceptance rate it needs."""
+    rows = []
+    for k, relative in zip(curve.lengths, curve.relative):
+        if k == 1:
+            verdict, needed = "one-token pass (plain decoding)", "–"
+        else:
+            alpha = curve.break_even_acceptance(k - 1, draft_cost)
+            verdict = "cannot pay" if alpha is None else "can pay"
+            needed = "never" if alpha is None else f"{alpha:.0%} of drafts accepted"
+        rows.append({"tokens in the pass": str(k), "cost (one-token passes)": round(relative, 2),
+                     "speculation": verdict, "break-even": needed})
+    return pd.DataFrame(rows)
+
+
+def cost_plot_update(prepared: Prepared) -> Any:
+    """The cost chart for a race: the machine's curve, titled with the hardware (hidden without a curve)."""
+    curve = prepared.calibration
+    if curve is None:
+        return gr.update(value=None, visible=False)
+    draft_cost = 0.0 if prepared.spec.mode == "ngram" else None  # an n-gram draft costs nothing to make
+    title = f"On this machine a pass over k tokens costs this much of a one-token pass ({curve.hardware.describe()}, " \
+        f"{curve.dtype})"
+    return gr.update(value=cost_frame(curve, draft_cost), visible=True, title=title)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1174,13 +1218,24 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
                     sort=[str(k) for k in range(1, 65)],
                     elem_id="position-plot",
                 )
+            cost_plot = gr.BarPlot(
+                x="tokens in the pass",
+                y="cost (one-token passes)",
+                color="speculation",
+                color_map=COST_COLOURS,
+                tooltip="all",
+                title="On this machine a pass over k tokens costs this much of a one-token pass",
+                sort=[str(k) for k in PASS_LENGTHS],
+                visible=False,
+                elem_id="cost-plot",
+            )
         with gr.Accordion("Run data (JSON, as the /race API returns it)", open=False):
             result = gr.JSON(elem_id="result")
 
         inputs = [prompt, pair, target, draft, mode, draft_tokens, max_new_tokens, temperature, top_p, seed, dtype,
                   quantization, chat]
         outputs = [plain_stats, plain_output, spec_stats, spec_output, speedup, figures, identical, status, race_plot,
-                   length_plot, position_plot, result]
+                   length_plot, position_plot, result, cost_plot]
         assert len(inputs) == len(INPUTS) and len(outputs) == len(OUTPUTS)
         run_event = run.click(
             handlers.race,

@@ -131,9 +131,8 @@ def test_released_models_take_their_int8_copies_with_them(monkeypatch: pytest.Mo
         num_key_value_heads=1, max_position_embeddings=64,
     )
     model = LlamaForCausalLM(config).eval()
-    copies, heads = len(drafters._INT8_COPIES), len(drafters._INT8_HEADS)  # other tests' models may hold some
     assert drafters.int8_copy(model) is drafters.int8_copy(model)
-    assert drafters.int8_head(model) is not None
+    copy, head = weakref.ref(drafters.int8_copy(model)), weakref.ref(drafters.int8_head(model))
     monkeypatch.setitem(models._cache, ("tiny:weak", "torch.float32", "cpu", None, False), object())
     monkeypatch.setitem(models._cache, ("tiny:kept", "torch.float32", "cpu", None, False), object())
     alive = weakref.ref(model)
@@ -141,7 +140,7 @@ def test_released_models_take_their_int8_copies_with_them(monkeypatch: pytest.Mo
     release_models(keep={("tiny:kept", "torch.float32", "cpu", None, False)})
     gc.collect()
     assert alive() is None
-    assert (len(drafters._INT8_COPIES), len(drafters._INT8_HEADS)) == (copies, heads)
+    assert copy() is None and head() is None  # the int8 copy and head went with their model
     assert ("tiny:weak", "torch.float32", "cpu", None, False) not in models._cache
     assert ("tiny:kept", "torch.float32", "cpu", None, False) in models._cache
 

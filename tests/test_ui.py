@@ -331,3 +331,19 @@ def test_uag_presets_select_the_uag_mode():
     assert mode_for_pair(config, "offline-qwen-coder", "uag") == "draft"
     assert mode_for_pair(config, "offline-qwen-coder", "ngram") == "ngram"
     assert all(mode_for_pair(config, key, "draft") == preset.mode for key, preset in PRESETS.items())
+
+
+def test_the_cost_curve_is_measured_once_and_charted(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path))
+    handlers = ui.make_handlers(tiny_app.config(calibrate=True))
+    outputs = list(handlers.race(PROMPT, "tiny", "", "", "draft", "3", 12, 0.0, 1.0, 0, "float32", "none", True))
+    chart = outputs[0][ui.OUTPUTS.index("cost_plot")]
+    frame = chart["value"]
+    assert chart["visible"] is True and "On this machine" in chart["title"]
+    assert list(frame["tokens in the pass"]) == ["1", "2", "4", "8", "16"]
+    assert frame["cost (one-token passes)"][0] == 1.0 and set(frame["speculation"]) <= set(ui.COST_COLOURS)
+    result = outputs[-1][ui.OUTPUTS.index("result")]
+    assert result["calibration"]["lengths"] == [1, 2, 4, 8, 16] and result["calibration"]["draft"] == "tiny:draft"
+    assert len(list(tmp_path.rglob("*.json"))) == 1  # cached: the next race on this pair measures nothing
+    list(handlers.race(PROMPT, "tiny", "", "", "draft", "3", 12, 0.0, 1.0, 0, "float32", "none", True))
+    assert handlers.racer.prepare(ui.RaceRequest(PROMPT, pair="tiny")).calibration.from_cache

@@ -153,6 +153,7 @@ def config(**overrides):
         examples=list(EXAMPLES),
         quantization_reason="4-bit/8-bit needs a CUDA GPU (bitsandbytes); none found",
         gpu_duration=60,
+        calibrate=False,  # tests that want the cost curve ask for it (and give it a cache folder of their own)
     )
     values.update(overrides)
     return AppConfig(**values)
