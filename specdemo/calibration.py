@@ -206,17 +206,21 @@ def _median_pass_seconds(
     """Median seconds of one pass over k new tokens for each k, round-robin until ``repeats`` or the budget."""
     device = lm.device
     timings: dict[int, list[float]] = {k: [] for k in lengths}
+
+    def one_pass(k: int) -> float:
+        ids = torch.randint(0, vocab_size, (k,), generator=generator)
+        begin = now(device)
+        lm.forward(ids, all_logits=True)
+        seconds = now(device) - begin
+        lm.rollback(k)
+        return seconds
+
+    one_pass(max(lengths))  # warm-up, not kept
     started = time.perf_counter()
-    for round_index in range(repeats + 1):  # round 0 warms up and is not kept
+    for round_index in range(repeats):
         for k in lengths:
-            ids = torch.randint(0, vocab_size, (k,), generator=generator)
-            begin = now(device)
-            lm.forward(ids, all_logits=True)
-            seconds = now(device) - begin
-            lm.rollback(k)
-            if round_index > 0:
-                timings[k].append(seconds)
-        if round_index >= 2 and time.perf_counter() - started > budget_seconds:
+            timings[k].append(one_pass(k))
+        if round_index >= 1 and time.perf_counter() - started > budget_seconds:
             break
     return [statistics.median(timings[k]) for k in lengths]
 
@@ -228,7 +232,7 @@ def _draft_step_seconds(
     repeats: int,
     budget_seconds: float,
     generator: torch.Generator,
-    prefix_tokens: int = 200,
+    prefix_tokens: int = 128,
     draft_length: int = 4,
 ) -> float:
     """Median seconds per drafted token. A draft sharing the target's tokenizer is timed through the draft-model
@@ -267,9 +271,9 @@ def measure(
     target: LoadedModel,
     draft: LoadedModel | None = None,
     lengths: Sequence[int] = PASS_LENGTHS,
-    prefix_tokens: int = 200,
+    prefix_tokens: int = 128,
     repeats: int = 5,
-    budget_seconds: float = 10.0,
+    budget_seconds: float = 8.0,
     draft_int8: bool | None = None,
 ) -> CostCurve:
     """Measure a cost curve now (see :func:`calibrate` for the cached version).
