@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .calibration import calibrate
+from .calibration import CostCurve, calibrate
 from .drafters import NGRAM_PREFERENCES
 from .engine import Counters, GenerationSettings, RoundEvent, collect
 from .lm import now
@@ -152,6 +152,7 @@ def run_mode(
     spec: SpecSettings,
     lookup_tokens: int = 10,
     uag_draft: LoadedModel | None = None,
+    calibration: CostCurve | None = None,
 ) -> ModeRun:
     if mode in UAG_MODES and uag_draft is not None:
         draft = uag_draft
@@ -163,7 +164,8 @@ def run_mode(
     if mode == "plain":
         final: RoundEvent = collect(plain_events(target, prompt_ids, settings))
     else:
-        final = collect(spec_events(target, draft, prompt_ids, settings, SpecSettings(**{**asdict(spec), "mode": mode})))
+        mode_spec = SpecSettings(**{**asdict(spec), "mode": mode})
+        final = collect(spec_events(target, draft, prompt_ids, settings, mode_spec, calibration))
     seconds = now(target.device) - start
     return ModeRun(final.new_token_ids, final.text, seconds, final.counters)
 
@@ -321,6 +323,7 @@ def run_benchmark(
     spec: SpecSettings,
     progress: bool = True,
     uag_draft: LoadedModel | None = None,
+    calibration: CostCurve | None = None,
 ) -> dict:
     sampling = SamplingSettings(config.temperature, config.top_k, config.top_p, config.seed)
     settings = GenerationSettings(max_new_tokens=config.max_new_tokens, sampling=sampling, collect_probs=False)
@@ -336,7 +339,7 @@ def run_benchmark(
         warm = GenerationSettings(max_new_tokens=min(32, config.max_new_tokens), sampling=sampling, collect_probs=False)
         for _ in range(config.warmup):
             for mode in modes:
-                run_mode(mode, target, draft, encoded[0][1], warm, spec, config.hf_lookup_tokens, uag_draft)
+                run_mode(mode, target, draft, encoded[0][1], warm, spec, config.hf_lookup_tokens, uag_draft, calibration)
 
     results: list[dict] = []
     counters: dict[tuple[str, str], Counters] = {}
@@ -346,7 +349,9 @@ def run_benchmark(
         runs: dict[str, list[ModeRun]] = {m: [] for m in modes}
         for _ in range(config.repeats):
             for mode in order:
-                runs[mode].append(run_mode(mode, target, draft, ids, settings, spec, config.hf_lookup_tokens, uag_draft))
+                runs[mode].append(
+                    run_mode(mode, target, draft, ids, settings, spec, config.hf_lookup_tokens, uag_draft, calibration)
+                )
                 bar.update(1)
         chosen = {m: sorted(r, key=lambda run: run.seconds)[len(r) // 2] for m, r in runs.items()}  # median
         plain = chosen.get("plain")
@@ -544,7 +549,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.calibration != "off":
             curve = calibrate(target, draft, refresh=args.calibration == "refresh")
             print(curve.summary(), flush=True)
-        report = run_benchmark(config, target, draft, prompts, spec, progress=not args.quiet, uag_draft=uag_draft)
+        report = run_benchmark(
+            config, target, draft, prompts, spec, progress=not args.quiet, uag_draft=uag_draft, calibration=curve
+        )
         report["calibration"] = curve.as_dict() if curve is not None else None
     except (InputError, PromptFileError, ModelLoadError, OfflinePackError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

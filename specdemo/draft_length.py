@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from .calibration import CostCurve
 
 logger = logging.getLogger(__name__)
 
@@ -12,7 +15,9 @@ logger = logging.getLogger(__name__)
 class DraftLengthPolicy(Protocol):
     def next_length(self) -> int: ...
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None: ...
+    def update(
+        self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, catch_up_seconds: float = 0.0
+    ) -> None: ...
 
 
 @dataclass
@@ -24,7 +29,9 @@ class FixedDraftLength:
     def next_length(self) -> int:
         return self.k
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def update(
+        self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, catch_up_seconds: float = 0.0
+    ) -> None:
         pass
 
 
@@ -39,7 +46,9 @@ class HeuristicDraftLength:
     def next_length(self) -> int:
         return self.k
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def update(
+        self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, catch_up_seconds: float = 0.0
+    ) -> None:
         if drafted == 0:
             return
         self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(self.k_min, self.k - 1)
@@ -73,6 +82,12 @@ class CostAwareDraftLength:
     starts to pay again: after ``probe_every`` plain steps, and twice as many after each probe that was rejected (up
     to ``max_probe_every``), since a probe costs a draft step plus whatever the drafter must catch up on. Acceptance
     estimates are exponentially weighted, so the policy follows the text.
+
+    ``prior``: the machine's measured cost curve (:mod:`specdemo.calibration`): its verify costs (and
+    ``draft_seconds_per_token``) count as one measurement each, so the first decisions rest on this machine's costs
+    rather than on nothing. The time a drafter spends catching up on text written during plain steps is no cost per
+    drafted token: the engine books it apart (``catch_up_seconds``, from ``Proposal.catch_up_seconds``), so a probe
+    after a run of plain steps does not make drafting look dearer than it is.
     """
 
     def __init__(
@@ -83,6 +98,8 @@ class CostAwareDraftLength:
         probe_every: int = 8,
         measure_plain_step: bool = True,
         max_probe_every: int = 64,
+        prior: "CostCurve | None" = None,
+        draft_seconds_per_token: float | None = None,
     ) -> None:
         self.k_start = min(k_start, k_max)
         self.measure_plain_step = measure_plain_step
@@ -102,6 +119,12 @@ class CostAwareDraftLength:
         self._rounds = 0
         self._rounds_since_draft = 0
         self.k = self.k_start
+        if prior is not None:
+            for length, seconds in zip(prior.lengths, prior.seconds):
+                if length <= k_max + 1:
+                    self._verify_time[length] = seconds
+                    self._verify_samples[length] = 1.0
+            self._draft_time_per_token = draft_seconds_per_token
 
     @property
     def acceptance(self) -> float:
@@ -162,7 +185,9 @@ class CostAwareDraftLength:
         self.k = best_k
         return best_k
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def update(
+        self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, catch_up_seconds: float = 0.0
+    ) -> None:
         length = drafted + 1
         previous = self._verify_time.get(length)
         self._verify_time[length] = verify_seconds if previous is None else 0.7 * previous + 0.3 * verify_seconds
@@ -190,18 +215,28 @@ class CostAwareDraftLength:
                 self._passed_at[position] += 1.0
 
 
-def make_policy(spec: int | str, k_max: int = 12, free_drafts: bool = False) -> DraftLengthPolicy:
+def make_policy(
+    spec: int | str, k_max: int = 12, free_drafts: bool = False, prior: "CostCurve | None" = None
+) -> DraftLengthPolicy:
     """``spec``: an int k >= 1 (fixed), "adaptive" (cost-aware) or "heuristic" (+2/-1).
 
     ``free_drafts``: drafting costs next to nothing (n-gram lookup), so the adaptive policy starts at its longest
     draft instead of ramping up to it, and takes its plain-step cost from the rounds with no draft (there are always
     some) instead of spending a round on measuring it; measured verify costs bring k down where long passes cost
-    more.
+    more. ``prior``: the machine's cost curve, which the adaptive policy's estimates start from (its draft step only
+    for a draft-model drafter; free drafts learn their tiny cost from the first round).
     """
     if isinstance(spec, str):
         name = spec.strip().lower()
         if name == "adaptive":
-            return CostAwareDraftLength(k_start=k_max if free_drafts else 4, k_max=k_max, measure_plain_step=not free_drafts)
+            draft_seconds = prior.draft_seconds_per_token if prior is not None and not free_drafts else None
+            return CostAwareDraftLength(
+                k_start=k_max if free_drafts else 4,
+                k_max=k_max,
+                measure_plain_step=not free_drafts,
+                prior=prior,
+                draft_seconds_per_token=draft_seconds,
+            )
         if name == "heuristic":
             return HeuristicDraftLength(k_max=k_max)
         if name.isdigit():

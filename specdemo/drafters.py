@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .lm import CachedLM
+from .lm import CachedLM, now
 from .memory import return_free_memory
 from .sampling import SamplingSettings, target_distribution
 
@@ -29,6 +29,9 @@ class Proposal:
 
     tokens: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
+    #: seconds the drafter spent catching up on text written since its last round (after plain steps), which is
+    #: part of drafting's cost but not of its cost per drafted token
+    catch_up_seconds: float = 0.0
 
 
 class Drafter(Protocol):
@@ -352,6 +355,12 @@ class DraftModelDrafter:
         if max_tokens <= 0:
             return Proposal()
         feed = self._sync(context)
+        catch_up_seconds = 0.0
+        if feed.numel() > 2:  # more than the last round's bonus and correction: catch up in a pass of its own
+            started = now(self.lm.device)
+            self.lm.hidden_states(feed[:-1])  # the cache is all a catch-up needs: no LM head
+            feed = feed[-1:]
+            catch_up_seconds = now(self.lm.device) - started
         tokens: list[int] = []
         prob_rows: list[torch.Tensor] = []
         for step in range(max_tokens):
@@ -374,7 +383,7 @@ class DraftModelDrafter:
                 feed = torch.tensor([token], dtype=torch.long, device=self.lm.device)
                 self._cached_ids.append(token)
         draft_probs = torch.stack(prob_rows) if prob_rows else None
-        return Proposal(tokens, draft_probs)
+        return Proposal(tokens, draft_probs, catch_up_seconds)
 
     def _to_target_vocab(self, probs: torch.Tensor, id_map: torch.Tensor | None) -> torch.Tensor:
         full = torch.zeros(self.target_vocab_size, dtype=probs.dtype, device=probs.device)

@@ -335,7 +335,8 @@ def speculative_decode(
         counters.draft_seconds += draft_seconds
         counters.verify_seconds += verify_seconds
         drafter.feedback(num_drafted, verdict.num_accepted)
-        policy.update(num_drafted, verdict.num_accepted, draft_seconds, verify_seconds)
+        catch_up = proposal.catch_up_seconds  # booked apart: it is no cost per drafted token
+        policy.update(num_drafted, verdict.num_accepted, draft_seconds - catch_up, verify_seconds, catch_up)
 
         produced = proposal.tokens[: verdict.num_accepted] + [verdict.next_token]
         kept = output.admit(produced)

@@ -6,11 +6,12 @@ The bench and the app both go through here, so a mode means the same thing every
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Collection, Iterator
 
 import torch
 
+from .calibration import CostCurve
 from .draft_length import make_policy
 from .drafters import NGRAM_PREFERENCES, DraftModelDrafter, Drafter, NgramDrafter
 from .engine import GenerationSettings, RoundEvent, plain_decode, seeded_generator, speculative_decode
@@ -184,6 +185,20 @@ def make_drafter(
     )
 
 
+def policy_prior(
+    calibration: CostCurve | None, target: LoadedModel, draft: LoadedModel | None, mode: str
+) -> CostCurve | None:
+    """The part of a cost curve that holds for this run: none for another target or format; its draft step only
+    for draft mode with the draft it timed (a uag draft's step leaves out its text re-encoding)."""
+    if calibration is None or calibration.target != target.source:
+        return None
+    if calibration.dtype != str(target.dtype).replace("torch.", ""):
+        return None
+    if mode != "draft" or draft is None or calibration.draft != draft.source:
+        return replace(calibration, draft_seconds_per_token=None, draft=None)
+    return calibration
+
+
 def plain_events(target: LoadedModel, prompt_ids: list[int], settings: GenerationSettings) -> Iterator[RoundEvent]:
     return plain_decode(CachedLM(target.model), prompt_ids, settings, target.eos_token_ids, target.tokenizer)
 
@@ -194,9 +209,15 @@ def spec_events(
     prompt_ids: list[int],
     settings: GenerationSettings,
     spec: SpecSettings,
+    calibration: CostCurve | None = None,
 ) -> Iterator[RoundEvent]:
+    """The speculative side of a run; ``calibration`` (this machine's cost curve for this target and format, see
+    :mod:`specdemo.calibration`) gives the adaptive draft length somewhere to start from."""
     drafter = make_drafter(spec, target, draft, settings)
-    policy = make_policy(spec.draft_length, spec.max_draft_length, free_drafts=spec.mode == "ngram")
+    policy = make_policy(
+        spec.draft_length, spec.max_draft_length, free_drafts=spec.mode == "ngram",
+        prior=policy_prior(calibration, target, draft, spec.mode),
+    )
     return speculative_decode(
         CachedLM(target.model), drafter, policy, prompt_ids, settings, target.eos_token_ids, target.tokenizer
     )

@@ -519,7 +519,9 @@ class Racer:
         """
         state = RaceState(prepared)
         plain = plain_events(prepared.target, prepared.prompt_ids, prepared.settings)
-        spec = spec_events(prepared.target, prepared.draft, prepared.prompt_ids, prepared.settings, prepared.spec)
+        spec = spec_events(
+            prepared.target, prepared.draft, prepared.prompt_ids, prepared.settings, prepared.spec, prepared.calibration
+        )
         events = race(plain, spec)
         budget = self.config.race_time_budget
         started = time.perf_counter()
