@@ -339,7 +339,9 @@ def run_benchmark(
         warm = GenerationSettings(max_new_tokens=min(32, config.max_new_tokens), sampling=sampling, collect_probs=False)
         for _ in range(config.warmup):
             for mode in modes:
-                run_mode(mode, target, draft, encoded[0][1], warm, spec, config.hf_lookup_tokens, uag_draft, calibration)
+                run_mode(
+                    mode, target, draft, encoded[0][1], warm, spec, config.hf_lookup_tokens, uag_draft, calibration
+                )
 
     results: list[dict] = []
     counters: dict[tuple[str, str], Counters] = {}

@@ -243,7 +243,8 @@ def _draft_step_seconds(
     from .sampling import SamplingSettings
 
     vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
-    if target.tokenizer is not None and draft.tokenizer is not None and same_tokenizer(target.tokenizer, draft.tokenizer):
+    shared = target.tokenizer is not None and draft.tokenizer is not None
+    if shared and same_tokenizer(target.tokenizer, draft.tokenizer):
         prefix = torch.randint(0, vocab_size, (prefix_tokens,), generator=generator).tolist()
         drafter = DraftModelDrafter(draft.model, SamplingSettings(), target_vocab_size=vocab_size, int8=draft_int8)
         drafter.start(prefix)

@@ -448,9 +448,10 @@ class Racer:
                 "Sampling (temperature > 0): both sides draw from the same distribution, but not the same tokens, "
                 "so the texts will differ."
             )
+        as_preset = preset is not None and (target_source, draft_source or preset.draft) == (preset.target, preset.draft)
         prepared = Prepared(
             request, target, draft, target_source, draft_source, prompt_ids, settings, spec, warnings, load_seconds,
-            pair=preset.key if preset and (target_source, draft_source or preset.draft) == (preset.target, preset.draft) else None,
+            pair=preset.key if as_preset else None,
         )
         try:
             prepared.warmup_seconds = self.warm_up(prepared, report)
