@@ -888,9 +888,8 @@ def make_handlers(config: AppConfig) -> Handlers:
         Yielding every round lets the queue close the race within one round when the client cancels or
         disconnects, so the worker is free for the next visitor.
         """
-        request = RaceRequest(
-            prompt, pair or None, target, draft, mode, draft_tokens, max_new_tokens, temperature, top_p, seed,
-            dtype or config.dtype, "none", chat,
+        request = api_request(
+            prompt, pair, mode, draft_tokens, max_new_tokens, temperature, top_p, seed, chat, target, draft, dtype
         )
         try:
             prepared = racer.prepare(request)
@@ -925,7 +924,7 @@ def make_handlers(config: AppConfig) -> Handlers:
     def race_validator(*values: Any) -> list[dict]:
         return validation(RaceRequest(*values), INPUTS)
 
-    def api_validator(
+    def api_request(
         prompt: str,
         pair: str = "",
         mode: str = "draft",
@@ -938,12 +937,15 @@ def make_handlers(config: AppConfig) -> Handlers:
         target: str = "",
         draft: str = "",
         dtype: str = "",
-    ) -> list[dict]:
-        request = RaceRequest(
+    ) -> RaceRequest:
+        """The request behind a ``/race`` call (its inputs in :data:`API_INPUTS` order)."""
+        return RaceRequest(
             prompt, pair or None, target, draft, mode, draft_tokens, max_new_tokens, temperature, top_p, seed,
             dtype or config.dtype, "none", chat,
         )
-        return validation(request, API_INPUTS)
+
+    def api_validator(*values: Any, **named: Any) -> list[dict]:
+        return validation(api_request(*values, **named), API_INPUTS)
 
     return Handlers(
         racer,

@@ -9,7 +9,6 @@ import pytest
 gradio_client = pytest.importorskip("gradio_client", reason="gradio_client is not installed: pip install gradio_client")
 
 import tiny_app  # noqa: E402
-from specdemo import ui  # noqa: E402
 
 PROMPT = "hello world the cat sat on the mat"
 
@@ -25,21 +24,8 @@ def spied():
 
 @pytest.fixture(scope="module")
 def url(spied):
-    real_race = ui.race
-
-    def spying_race(plain, spec):
-        spied.extend([plain, spec])
-        return real_race(plain, spec)
-
-    ui.race = spying_race
-    demo = ui.build_app(tiny_app.config(update_interval=0.05))
-    port = tiny_app.free_port()
-    try:
-        ui.launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        demo.close()
-        ui.race = real_race
+    with tiny_app.served_with_spied_races(spied, update_interval=0.05) as served_url:
+        yield served_url
 
 
 @pytest.fixture(scope="module")

@@ -183,21 +183,8 @@ gradio_client = pytest.importorskip("gradio_client", reason="gradio_client is no
 def served():
     """The app on tiny models, with the decoders of every race kept to see when a race is closed."""
     spied: list = []
-    real_race = ui.race
-
-    def spying_race(plain, spec):
-        spied.extend([plain, spec])
-        return real_race(plain, spec)
-
-    ui.race = spying_race
-    demo = ui.build_app(tiny_app.config(update_interval=0.05))
-    port = tiny_app.free_port()
-    try:
-        ui.launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-        yield f"http://127.0.0.1:{port}/", spied
-    finally:
-        demo.close()
-        ui.race = real_race
+    with tiny_app.served_with_spied_races(spied, update_interval=0.05) as url:
+        yield url, spied
 
 
 def wait_for(condition, seconds: float) -> bool:
@@ -211,12 +198,18 @@ def closed(decoders) -> bool:
     return all(d.gi_frame is None for d in decoders)
 
 
-def test_a_cancelled_api_race_frees_the_queue(served) -> None:
-    url, spied = served
-    client = gradio_client.Client(url, verbose=False)
+def start_slow_race(client, spied: list):
+    """Submit a long race on the slow tiny target and wait until it runs; returns its job."""
     spied.clear()
     job = client.submit(PROMPT, "tiny-slow", "draft", "1", 480, api_name="/race")
     assert wait_for(lambda: len(spied) >= 2, 60), "the race never started"
+    return job
+
+
+def test_a_cancelled_api_race_frees_the_queue(served) -> None:
+    url, spied = served
+    client = gradio_client.Client(url, verbose=False)
+    job = start_slow_race(client, spied)
     time.sleep(0.3)
     job.cancel()
     assert wait_for(lambda: closed(spied[:2]), 2.0), "the cancelled race is still running"
@@ -248,9 +241,7 @@ def test_a_disconnected_api_client_frees_the_worker(served) -> None:
 def test_bad_input_is_refused_at_once_while_a_race_holds_the_worker(served) -> None:
     url, spied = served
     client = gradio_client.Client(url, verbose=False)
-    spied.clear()
-    job = client.submit(PROMPT, "tiny-slow", "draft", "1", 480, api_name="/race")
-    assert wait_for(lambda: len(spied) >= 2, 60), "the race never started"
+    job = start_slow_race(client, spied)
     try:
         for kwargs, message in [
             ({"prompt": " ".join(["word"] * 20_000)}, "prompt: the prompt is too long: 99,999 characters"),

@@ -163,3 +163,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def served_with_spied_races(spied: list, **overrides):
+    """The app on tiny models served on a free port (yields its URL), with the decoders of every race appended to
+    ``spied``, to see when a race is closed."""
+    from specdemo import ui
+
+    real_race = ui.race
+
+    def spying_race(plain, spec):
+        spied.extend([plain, spec])
+        return real_race(plain, spec)
+
+    ui.race = spying_race
+    demo = ui.build_app(config(**overrides))
+    port = free_port()
+    try:
+        ui.launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+        ui.race = real_race
