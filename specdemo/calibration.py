@@ -13,6 +13,7 @@ for a round to beat plain decoding; draft lengths that cannot pay even with ever
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -67,9 +68,10 @@ class Hardware:
         return f"{self.name}, {self.threads} threads ({flags})"
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_info() -> tuple[str, tuple[str, ...]]:
-    """The CPU's model name and those of :data:`CPU_FLAGS` it has (Linux /proc/cpuinfo; elsewhere the platform's
-    processor string and no flags)."""
+    """The CPU's model name and those of :data:`CPU_FLAGS` it has (Linux /proc/cpuinfo, read once; elsewhere the
+    platform's processor string and no flags)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

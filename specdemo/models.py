@@ -162,13 +162,19 @@ def clear_model_cache(keep: Collection[CacheKey] = ()) -> None:
             del _key_locks[key]
 
 
-def cache_key(source: str, settings: LoadSettings = LoadSettings()) -> CacheKey:
-    """The key under which :func:`load_model` caches ``source`` loaded with ``settings`` (loads nothing)."""
+def _resolve(source: str, settings: LoadSettings) -> tuple[CacheKey, torch.device, torch.dtype]:
+    """The cache key of ``source`` with ``settings``, and the device and dtype it resolves to (loads nothing)."""
     if not source or not source.strip():
         raise ModelLoadError("no model given")
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    return (_normalise_source(source), str(dtype), str(device), settings.quantization, settings.trust_remote_code)
+    key = (_normalise_source(source), str(dtype), str(device), settings.quantization, settings.trust_remote_code)
+    return key, device, dtype
+
+
+def cache_key(source: str, settings: LoadSettings = LoadSettings()) -> CacheKey:
+    """The key under which :func:`load_model` caches ``source`` loaded with ``settings`` (loads nothing)."""
+    return _resolve(source, settings)[0]
 
 
 def cached_models() -> list[CacheKey]:
@@ -201,10 +207,8 @@ def load_model(
     on_progress: ProgressCallback | None = None,
 ) -> LoadedModel:
     """Load (or fetch from the process-wide cache) the model and tokenizer named by ``source``."""
-    key = cache_key(source, settings)
+    key, device, dtype = _resolve(source, settings)
     source = key[0]  # normalised: an offline name, a resolved path or a Hub id
-    device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device)
     _check_quantization(settings.quantization, device)
 
     with _cache_lock:
