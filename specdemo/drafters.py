@@ -1,7 +1,8 @@
-"""Drafting strategies: each proposes up to k tokens for the current context and hears how many were kept.
+"""Drafting strategies: each proposes up to k tokens (a chain, or a tree) and hears the verdict of the target.
 
 The interface follows transformers' ``CandidateGenerator`` in spirit: :meth:`Drafter.propose` (get candidates)
-and :meth:`Drafter.feedback` (update the strategy). :meth:`Drafter.start` begins a new sequence.
+and :meth:`Drafter.feedback` (update the strategy from the round's :class:`RoundResult`: the proposal, the verdict
+and the target's pass). :meth:`Drafter.start` begins a new sequence and sees the prompt's pass.
 """
 
 from __future__ import annotations
@@ -16,22 +17,44 @@ from typing import Protocol, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .lm import CachedLM, now
+from .lm import CachedLM, TargetPass, now
 from .memory import return_free_memory
-from .sampling import SamplingSettings, target_distribution
+from .sampling import SamplingSettings, Verdict, target_distribution
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Proposal:
-    """Draft tokens and, for drafters that sample, the distribution each was drawn from ([n, V_target])."""
+    """Draft tokens and, for drafters that sample, the distribution each was drawn from ([n, V_target]).
+
+    ``parents``: None for a chain (token i follows token i - 1); for a tree, each token's parent index among the
+    tokens (-1 = it follows the context), parents before children, siblings with different tokens.
+    """
 
     tokens: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     #: seconds the drafter spent catching up on text written since its last round (after plain steps), which is
     #: part of drafting's cost but not of its cost per drafted token
     catch_up_seconds: float = 0.0
+    parents: list[int] | None = None
+
+
+@dataclass
+class RoundResult:
+    """What a drafter hears after a round: its proposal (as verified), the verdict and the target's pass."""
+
+    proposal: Proposal
+    verdict: Verdict
+    target_pass: TargetPass | None = None
+
+    @property
+    def num_drafted(self) -> int:
+        return len(self.proposal.tokens)
+
+    @property
+    def num_accepted(self) -> int:
+        return self.verdict.num_accepted
 
 
 class Drafter(Protocol):
@@ -39,11 +62,11 @@ class Drafter(Protocol):
 
     name: str
 
-    def start(self, prompt_ids: Sequence[int]) -> None: ...
+    def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None: ...
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Proposal: ...
 
-    def feedback(self, num_drafted: int, num_accepted: int) -> None: ...
+    def feedback(self, result: RoundResult) -> None: ...
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -143,7 +166,7 @@ class NgramDrafter:
         self._source: int | None = None  # end of the occurrence the last proposal copied from
         self._follow_from: int | None = None  # source position of the last accepted copied token
 
-    def start(self, prompt_ids: Sequence[int]) -> None:
+    def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
         self.index.reset()
         self._source = self._follow_from = None
 
@@ -156,9 +179,9 @@ class NgramDrafter:
         tokens, self._source = self.index.find(max_tokens, self._follow_from)
         return Proposal(tokens, None)
 
-    def feedback(self, num_drafted: int, num_accepted: int) -> None:
-        if self._source is not None and num_accepted > 0:
-            self._follow_from = self._source + num_accepted
+    def feedback(self, result: RoundResult) -> None:
+        if self._source is not None and result.num_accepted > 0:
+            self._follow_from = self._source + result.num_accepted
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -295,7 +318,7 @@ class DraftModelDrafter:
         self._cached_ids: list[int] = []
 
     # -- sequence state ------------------------------------------------------------------------------------------
-    def start(self, prompt_ids: Sequence[int]) -> None:
+    def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
         self.lm.reset()
         self._cached_ids = []
         if self.head_tokens and self._head_weight is not None:
@@ -395,5 +418,5 @@ class DraftModelDrafter:
             full[id_map[inside]] = probs[inside]
         return full
 
-    def feedback(self, num_drafted: int, num_accepted: int) -> None:
+    def feedback(self, result: RoundResult) -> None:
         pass

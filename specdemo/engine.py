@@ -17,9 +17,17 @@ from transformers import PreTrainedTokenizerBase
 
 from .detok import IncrementalDetokenizer
 from .draft_length import DraftLengthPolicy
-from .drafters import Drafter, Proposal
-from .lm import CausalLM, now
-from .sampling import SamplingSettings, Verdict, accept_greedy, accept_sampling, choose_token, target_distribution
+from .drafters import Drafter, Proposal, RoundResult
+from .lm import CausalLM, TargetPass, is_chain, now, tree_depths
+from .sampling import (
+    SamplingSettings,
+    Verdict,
+    accept_greedy,
+    accept_greedy_tree,
+    accept_sampling,
+    choose_token,
+    target_distribution,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +97,10 @@ class Counters:
     def seconds(self) -> float:
         return self.prefill_seconds + self.draft_seconds + self.verify_seconds
 
-    def record_round(self, drafted: int, accepted: int, produced: int) -> None:
+    def record_round(self, drafted: int, accepted: int, produced: int, depth: int | None = None) -> None:
+        """One verify round: ``drafted`` tokens (tree nodes), ``accepted`` of them (the accepted path's length),
+        ``produced`` tokens written; per-position counts go by depth (a chain's depth is its length)."""
+        depth = drafted if depth is None else depth
         self.rounds += 1
         self.target_passes += 1
         self.drafted += drafted
@@ -98,11 +109,11 @@ class Counters:
             self.rejection_rounds += 1
         self.accepted_lengths.append(produced)
         self.draft_lengths.append(drafted)
-        while len(self.drafted_at) < drafted:
+        while len(self.drafted_at) < depth:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
             self.tested_at.append(0)
-        for position in range(drafted):
+        for position in range(depth):
             self.drafted_at[position] += 1
             if position <= accepted:
                 self.tested_at[position] += 1
@@ -209,14 +220,14 @@ def _check_prompt(prompt_ids: Sequence[int]) -> torch.Tensor:
 
 def _prefill(
     target: CausalLM, prompt: torch.Tensor, settings: GenerationSettings, generator: torch.Generator | None
-) -> tuple[int, torch.Tensor, float]:
-    """The prompt's pass: the first new token, its logits row and the seconds it took."""
+) -> tuple[int, TargetPass, float]:
+    """The prompt's pass: the first new token, the pass (its last position) and the seconds it took."""
     device = getattr(target, "device", torch.device("cpu"))
     start = now(device)
     target.reset()
-    logits = target.forward(prompt, all_logits=False)[-1]
-    token = choose_token(logits, settings.sampling, generator)
-    return token, logits, now(device) - start
+    prefill = target.run(prompt, all_logits=False)
+    token = choose_token(prefill.logits[-1], settings.sampling, generator)
+    return token, prefill, now(device) - start
 
 
 def _finish(event: RoundEvent, output: _Output) -> RoundEvent:
@@ -244,7 +255,8 @@ def plain_decode(
     output = _Output(tokenizer, settings, eos_token_ids)
     counters = Counters()
 
-    token, logits, seconds = _prefill(target, prompt, settings, generator)
+    token, prefill, seconds = _prefill(target, prompt, settings, generator)
+    logits = prefill.logits[-1]
     counters.prefill_seconds += seconds
     counters.target_passes += 1
     round_index = 0
@@ -262,7 +274,7 @@ def plain_decode(
             return
         round_index += 1
         start = now(device)
-        logits = target.forward(torch.tensor([token]), all_logits=False)[-1]
+        logits = target.run(torch.tensor([token]), all_logits=False).logits[-1]
         token = choose_token(logits, settings.sampling, generator)
         seconds = now(device) - start
         counters.verify_seconds += seconds
@@ -282,7 +294,9 @@ def speculative_decode(
     """Speculative decoding: draft, one verify pass over [last token + draft], vectorised acceptance.
 
     Greedy settings keep the longest draft prefix matching the target's argmax and add the target's own token;
-    sampling settings use rejection sampling. The target cache is cropped by the rejected tokens, never rebuilt.
+    sampling settings use rejection sampling. A drafter may propose a tree (greedy only): it is verified in the same
+    one pass with a tree attention mask and its deepest matching path is kept. The target cache keeps the accepted
+    rows and drops the rest, never recomputing anything.
     """
     settings.validate()
     sampling = settings.sampling
@@ -292,8 +306,9 @@ def speculative_decode(
     output = _Output(tokenizer, settings, eos_token_ids)
     counters = Counters()
 
-    token, logits, seconds = _prefill(target, prompt, settings, generator)
-    drafter.start(prompt_ids)
+    token, prefill, seconds = _prefill(target, prompt, settings, generator)
+    logits = prefill.logits[-1]
+    drafter.start(prompt_ids, prefill)
     counters.prefill_seconds += seconds
     counters.target_passes += 1
     context: list[int] = [int(t) for t in prompt_ids]
@@ -315,41 +330,56 @@ def speculative_decode(
 
         start = now(device)
         proposal = drafter.propose(context, wanted) if wanted > 0 else Proposal()
-        draft_tokens = torch.tensor(proposal.tokens[:wanted], dtype=torch.long, device=device)
-        num_drafted = int(draft_tokens.numel())
+        tokens = [int(t) for t in proposal.tokens[:wanted]]
+        num_drafted = len(tokens)
+        parents = None if is_chain(proposal.parents) else list(proposal.parents[:num_drafted])  # type: ignore[index]
+        draft_tokens = torch.tensor(tokens, dtype=torch.long, device=device)
         draft_probs = proposal.draft_probs[:num_drafted] if proposal.draft_probs is not None else None
         drafted_at = now(device)
 
         verify_input = torch.cat([torch.tensor([context[-1]], device=device), draft_tokens])
-        target_logits = target.forward(verify_input, all_logits=True)
+        verify_parents = None if parents is None else [-1] + [parent + 1 for parent in parents]
+        target_pass = target.run(verify_input, all_logits=True, parents=verify_parents)
+        target_logits = target_pass.logits
         target_probs = None
-        if sampling.greedy:
-            verdict: Verdict = accept_greedy(draft_tokens, target_logits)
+        if parents is not None:
+            if not sampling.greedy:
+                raise ValueError("a token tree is verified greedily only; a sampled run drafts a chain")
+            verdict: Verdict = accept_greedy_tree(draft_tokens, parents, target_logits)
+        elif sampling.greedy:
+            verdict = accept_greedy(draft_tokens, target_logits)
         else:
             target_probs = target_distribution(target_logits, sampling)
             verdict = accept_sampling(draft_tokens, draft_probs, target_probs, generator)
-        target.rollback(num_drafted - verdict.num_accepted)
+        path = verdict.accepted_nodes
+        target.keep(num_drafted + 1, [0] + [node + 1 for node in path])
         verified_at = now(device)
 
         draft_seconds, verify_seconds = drafted_at - start, verified_at - drafted_at
         counters.draft_seconds += draft_seconds
         counters.verify_seconds += verify_seconds
-        drafter.feedback(num_drafted, verdict.num_accepted)
+        verified = Proposal(tokens, draft_probs, proposal.catch_up_seconds, parents)
+        drafter.feedback(RoundResult(verified, verdict, target_pass))
         catch_up = proposal.catch_up_seconds  # booked apart: it is no cost per drafted token
         policy.update(num_drafted, verdict.num_accepted, draft_seconds - catch_up, verify_seconds, catch_up)
 
-        produced = proposal.tokens[: verdict.num_accepted] + [verdict.next_token]
+        produced = [tokens[node] for node in path] + [verdict.next_token]
         kept = output.admit(produced)
         context.extend(kept)
-        counters.record_round(num_drafted, verdict.num_accepted, len(produced))
+        depths = tree_depths(parents) if parents is not None else None
+        depth = max(depths) + 1 if depths else num_drafted
+        counters.record_round(num_drafted, verdict.num_accepted, len(produced), depth)
         counters.new_tokens = len(output.ids)
 
         # --- what is shown (not timed) ---
         if settings.collect_probs and target_probs is None:
             target_probs = target_distribution(target_logits, sampling)
+        rows = [0] + [node + 1 for node in path]  # the pass's row whose logits chose each produced token
+        last_node = path[-1] if path else -1
+        parent_of = parents if parents is not None else list(range(-1, num_drafted - 1))
         if num_drafted == 0:
             last_kind = PLAIN
-        elif verdict.num_accepted == num_drafted:
+        elif last_node not in parent_of:  # the accepted path ran to a leaf: the target's token comes on top
             last_kind = BONUS
         else:
             last_kind = CORRECTED
@@ -363,22 +393,27 @@ def speculative_decode(
                     piece,
                     ACCEPTED if is_draft else last_kind,
                     round_index,
-                    _prob(draft_probs, position, token_id) if is_draft else None,
-                    _prob(target_probs, position, token_id),
+                    _prob(draft_probs, path[position], token_id) if is_draft else None,
+                    _prob(target_probs, rows[position], token_id),
                 )
             )
         rejected: list[TokenEvent] = []
         if tokenizer is not None and verdict.num_accepted < num_drafted and output.finish_reason != "eos":
-            for position in range(verdict.num_accepted, num_drafted):
-                token_id = int(proposal.tokens[position])
+            if parents is None:  # a chain: every draft token after the accepted ones
+                turned_down = list(range(verdict.num_accepted, num_drafted))
+            else:  # a tree: the candidates the target turned down where it wrote its own token
+                turned_down = [node for node, parent in enumerate(parents) if parent == last_node]
+            for order, node in enumerate(turned_down):
+                token_id = tokens[node]
+                first = order == 0 or parents is not None
                 rejected.append(
                     TokenEvent(
                         token_id,
                         tokenizer.decode([token_id]),
                         REJECTED,
                         round_index,
-                        _prob(draft_probs, position, token_id),
-                        _prob(target_probs, position, token_id) if position == verdict.num_accepted else None,
+                        _prob(draft_probs, node, token_id),
+                        _prob(target_probs, rows[-1], token_id) if first else None,
                     )
                 )
         event = RoundEvent(

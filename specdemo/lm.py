@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TargetPass:
+    """What one target forward pass gives: logits [n, V] and the final (post-norm) hidden states [n, H]."""
+
+    logits: torch.Tensor
+    hidden_states: torch.Tensor | None = None
 
 
 class CausalLM(Protocol):
@@ -22,9 +31,41 @@ class CausalLM(Protocol):
 
     def reset(self) -> None: ...
 
-    def forward(self, input_ids: torch.Tensor, all_logits: bool = True) -> torch.Tensor: ...
+    def run(
+        self, input_ids: torch.Tensor, all_logits: bool = True, parents: Sequence[int] | None = None
+    ) -> TargetPass: ...
 
-    def rollback(self, num_tokens: int) -> None: ...
+    def keep(self, num_new: int, rows: Sequence[int]) -> None: ...
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each node of a tree given in topological order (``parents[i] < i``; -1 = a root, depth 0)."""
+    depths: list[int] = []
+    for index, parent in enumerate(parents):
+        if not -1 <= parent < index:
+            raise ValueError(f"node {index} has parent {parent}: parents must come before their children")
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def is_chain(parents: Sequence[int] | None) -> bool:
+    return parents is None or all(parent == index - 1 for index, parent in enumerate(parents))
+
+
+def tree_attention_mask(
+    parents: Sequence[int], cached: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A 4D additive mask (1, 1, n, cached + n): each new token sees the cached prefix, its ancestors and itself."""
+    count = len(parents)
+    visible = torch.zeros(count, cached + count, dtype=torch.bool)
+    visible[:, :cached] = True
+    for index, parent in enumerate(parents):
+        if parent >= 0:
+            visible[index, cached : cached + count] = visible[parent, cached : cached + count]
+        visible[index, cached + index] = True
+    mask = torch.zeros(count, cached + count, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask.view(1, 1, count, cached + count).to(device)
 
 
 class CachedLM:
@@ -57,6 +98,59 @@ class CachedLM:
         )
         self.length += int(input_ids.numel())
         return out.logits[0]
+
+    @torch.inference_mode()
+    def run(
+        self, input_ids: torch.Tensor, all_logits: bool = True, parents: Sequence[int] | None = None
+    ) -> TargetPass:
+        """One pass over ``input_ids`` after the cached sequence, returning logits and final hidden states.
+
+        ``parents``: the new tokens form a tree (``parents[i]`` is the index of token i's parent among the new
+        tokens, -1 for a token that follows the cached sequence): each token attends to the cache and its own
+        ancestors only, at position ``cached + depth``. None = a chain (the usual causal pass).
+        """
+        if self.cache is None:
+            self.reset()
+        ids = input_ids.view(1, -1).to(self.device)
+        extra: dict = {}
+        if parents is not None and not is_chain(parents):
+            if len(parents) != ids.shape[1]:
+                raise ValueError(f"{len(parents)} parents for {ids.shape[1]} tokens")
+            depths = torch.tensor(tree_depths(parents), device=self.device)
+            extra["position_ids"] = (self.length + depths).view(1, -1)
+            extra["attention_mask"] = tree_attention_mask(parents, self.length, self.model.dtype, self.device)
+        out = self.model(
+            input_ids=ids,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+            output_hidden_states=True,
+            **extra,
+        )
+        self.length += int(ids.shape[1])
+        hidden = out.hidden_states[-1][0] if out.hidden_states is not None else None
+        if hidden is not None and not all_logits:
+            hidden = hidden[-1:]
+        return TargetPass(out.logits[0], hidden)
+
+    @torch.inference_mode()
+    def keep(self, num_new: int, rows: Sequence[int]) -> None:
+        """Of the last ``num_new`` cached positions keep only ``rows`` (indices among them, ascending): the
+        accepted path of a tree. A prefix of rows is a plain crop."""
+        rows = list(rows)
+        if rows == list(range(len(rows))):
+            self.rollback(num_new - len(rows))
+            return
+        if self.cache is None or num_new > self.length:
+            raise ValueError(f"cannot keep rows of {num_new} new positions in a cache of {self.length}")
+        base = self.length - num_new
+        index = torch.tensor(rows, dtype=torch.long, device=self.device) + base
+        for layer in self.cache.layers:
+            if not hasattr(layer, "keys") or getattr(layer, "is_sliding", False):
+                raise NotImplementedError("keeping a tree path needs a full-attention cache")
+            layer.keys = torch.cat([layer.keys[:, :, :base], layer.keys.index_select(2, index)], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :base], layer.values.index_select(2, index)], dim=2)
+        self.length = base + len(rows)
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:

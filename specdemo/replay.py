@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .drafters import NGRAM_PREFERENCES, Drafter, NgramDrafter
+from .drafters import NGRAM_PREFERENCES, Drafter, NgramDrafter, Proposal, RoundResult
 from .models import ModelLoadError
 from .offline import OfflinePackError
+from .sampling import Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def replay_passes(drafter: Drafter, prompt_ids: Sequence[int], output_ids: Seque
         accepted = 0
         while accepted < len(draft) and draft[accepted] == output_ids[position + accepted]:
             accepted += 1
-        drafter.feedback(len(draft), accepted)
+        drafter.feedback(RoundResult(Proposal(list(draft)), Verdict(accepted, int(output_ids[position + accepted]))))
         produced = output_ids[position : position + accepted + 1]
         context.extend(produced)
         position += len(produced)

@@ -76,10 +76,22 @@ def choose_token(logits: torch.Tensor, sampling: SamplingSettings, generator: to
 
 @dataclass(frozen=True)
 class Verdict:
-    """Outcome of one verification: how many draft tokens were accepted and the target's own next token."""
+    """Outcome of one verification: how many draft tokens were accepted, the target's own next token and, for a
+    tree, the indices of the accepted nodes from the root down (for a chain: the first ``num_accepted``)."""
 
     num_accepted: int
     next_token: int
+    path: tuple[int, ...] | None = None
+
+    @property
+    def accepted_nodes(self) -> tuple[int, ...]:
+        return self.path if self.path is not None else tuple(range(self.num_accepted))
+
+    @property
+    def last_row(self) -> int:
+        """The verify pass's row whose logits chose ``next_token`` (row 0 is the token before the draft)."""
+        nodes = self.accepted_nodes
+        return nodes[-1] + 1 if nodes else 0
 
 
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
@@ -92,6 +104,36 @@ def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Ve
     matches = (draft_tokens == target_choice[:num_drafted]).to(torch.int64)
     num_accepted = int(matches.cumprod(dim=0).sum().item()) if num_drafted else 0
     return Verdict(num_accepted, int(target_choice[num_accepted].item()))
+
+
+def accept_greedy_tree(draft_tokens: torch.Tensor, parents: list[int], target_logits: torch.Tensor) -> Verdict:
+    """The deepest path of a token tree that matches the target's argmax all the way, then the target's token.
+
+    ``draft_tokens``: [n] node tokens in topological order; ``parents[i]``: node i's parent (-1 = the root, the
+    token before the draft); ``target_logits``: [n + 1, V], row 0 for the root and row i + 1 for node i. A node is
+    accepted when its parent is and its token is the target's argmax after the parent. Siblings carry different
+    tokens, so at most one child of each node matches and the accepted path is unique.
+    """
+    target_choice = target_logits.argmax(dim=-1)
+    parent_rows = torch.tensor(parents, dtype=torch.long, device=target_choice.device) + 1
+    matches = (draft_tokens == target_choice[parent_rows]).tolist()
+    accepted = [False] * len(parents)
+    depth = [0] * len(parents)
+    best = -1
+    for node, parent in enumerate(parents):
+        accepted[node] = bool(matches[node]) and (parent < 0 or accepted[parent])
+        if accepted[node]:
+            depth[node] = 1 + (depth[parent] if parent >= 0 else 0)
+            if best < 0 or depth[node] > depth[best]:
+                best = node
+    path: list[int] = []
+    node = best
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    path.reverse()
+    row = best + 1 if best >= 0 else 0
+    return Verdict(len(path), int(target_choice[row].item()), tuple(path))
 
 
 def accept_sampling(

@@ -24,8 +24,8 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .drafters import Proposal, int8_copy, int8_head
-from .lm import CachedLM
+from .drafters import Proposal, RoundResult, int8_copy, int8_head
+from .lm import CachedLM, TargetPass
 from .sampling import SamplingSettings, target_distribution
 
 logger = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ class UniversalDrafter:
         logger.info("uag: sampling from the %d tokens both vocabularies share", int(allowed.sum()))
         return allowed, to_target
 
-    def start(self, prompt_ids: Sequence[int]) -> None:
+    def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
         self.lm.reset()
         self.stream: list[int] = []  # draft ids whose text is exactly self.text
         self.text = ""  # target text synced so far
@@ -312,5 +312,5 @@ class UniversalDrafter:
         in_target.index_add_(1, to_target[allowed], stacked[:, allowed])
         return Proposal(target_ids, in_target)
 
-    def feedback(self, num_drafted: int, num_accepted: int) -> None:
+    def feedback(self, result: RoundResult) -> None:
         pass

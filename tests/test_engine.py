@@ -123,13 +123,13 @@ def test_cache_is_rolled_back_not_rebuilt():
     target = TARGETS["llama"]
     lm = CachedLM(target)
     calls = []
-    original = lm.forward
+    original = lm.run
 
-    def spy(ids, all_logits=True):
+    def spy(ids, all_logits=True, parents=None):
         calls.append(int(ids.numel()))
-        return original(ids, all_logits)
+        return original(ids, all_logits, parents)
 
-    lm.forward = spy
+    lm.run = spy
     drafter = DraftModelDrafter(llama(77, layers=1), GREEDY, VOCAB)
     collect(speculative_decode(lm, drafter, FixedDraftLength(4), PROMPTS[0], GenerationSettings(max_new_tokens=20)))
     assert calls[0] == len(PROMPTS[0])  # the prompt is encoded once

@@ -1,6 +1,7 @@
 """The n-gram (prompt lookup) matcher."""
 
-from specdemo.drafters import NgramDrafter, NgramIndex
+from specdemo.drafters import NgramDrafter, NgramIndex, Proposal, RoundResult
+from specdemo.sampling import Verdict
 
 
 def test_longest_suffix_match_wins():
@@ -39,18 +40,22 @@ def test_follow_continues_the_last_accepted_copy():
     assert NgramIndex(1, 2, prefer="first").find(2, follow_from=3) == ([], None)  # empty index
 
 
+def round_result(tokens, accepted):
+    return RoundResult(Proposal(tokens), Verdict(accepted, 0))
+
+
 def test_drafter_follows_only_accepted_copies_and_forgets_them_on_a_new_sequence():
     drafter = NgramDrafter(1, 2)  # "follow" is the default
     drafter.start([8, 5, 8, 6])
     assert drafter.propose([8, 5, 8, 6, 8], 1).tokens == [6]  # (6, 8) never occurred; (8) last ended at 2
-    drafter.feedback(1, 0)  # rejected: nothing to follow
+    drafter.feedback(round_result([6], 0))  # rejected: nothing to follow
     assert drafter._follow_from is None
     drafter.propose([8, 5, 8, 6, 8, 7, 9, 8], 2)
-    drafter.feedback(2, 1)  # copied from the occurrence ending at 4, one token accepted
+    drafter.feedback(round_result([9, 8], 1))  # copied from the occurrence ending at 4, one token accepted
     assert drafter._follow_from == 5
     drafter.propose([3, 3, 3], 2)  # a different sequence: the index starts over and so does following
     assert drafter._follow_from is None
-    drafter.feedback(2, 2)
+    drafter.feedback(round_result([3, 3], 2))
     drafter.start([1])
     assert drafter._follow_from is None and drafter._source is None
 

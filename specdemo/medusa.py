@@ -1,0 +1,243 @@
+"""Medusa heads: extra prediction heads on the target's own last hidden state (Cai et al. 2024, Medusa-1).
+
+Head k (1-based) guesses the token k + 1 positions ahead of the position whose hidden state it reads; the target's
+own LM head gives the token right after. Each head is ``num_layers`` residual blocks ``h + SiLU(W h + b)`` on the
+target's final (post-norm) hidden state, then an LM head: the target's own, frozen and shared (this project's
+heads; optionally scored over a token subset, as the draft model's head is), or a head of its own (the layout of
+FasterDecoding/Medusa's published checkpoints, which this module also loads).
+
+On disk (FasterDecoding's layout): a folder with ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``,
+``base_model_name_or_path``) and ``medusa_lm_head.safetensors`` (or ``.pt``) with keys
+``{head}.{layer}.linear.weight|bias`` and, for heads with an LM head of their own, ``{head}.{num_layers}.weight``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+#: the heads shipped for the offline target, and the sha256 of their weights file (checked on load)
+SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
+    "qwen2.5-coder-1.5b": (Path(__file__).parent / "data" / "medusa" / "qwen2.5-coder-1.5b", "PENDING"),
+}
+
+
+class MedusaLoadError(ValueError):
+    """Heads that cannot be loaded or do not fit the target, with a message fit to show as is."""
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    num_heads: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int  # rows of the LM head the heads score (the target's, when it is shared)
+    own_lm_head: bool = False
+    head_tokens: int = 0  # score only the lowest this many ids (plus the prompt's); 0 = all
+    base_model: str = ""
+
+
+class ResidualBlock(nn.Module):
+    """``h + SiLU(W h + b)`` with W zero-initialised, so an untrained head starts as the target's own head."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + nn.functional.silu(self.linear(hidden))
+
+
+class MedusaHeads(nn.Module):
+    """The heads. ``features`` maps hidden states [n, H] to each head's input to an LM head, [K, n, H];
+    ``logits`` scores them with the shared LM head weight (rows ``token_ids`` only, when given) or each head's own."""
+
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResidualBlock(config.hidden_size) for _ in range(config.num_layers)])
+            for _ in range(config.num_heads)
+        )
+        self.lm_heads = (
+            nn.ModuleList(nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads))
+            if config.own_lm_head
+            else None
+        )
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.stack([block(hidden) for block in self.blocks])
+
+    def logits(
+        self, hidden: torch.Tensor, shared_weight: torch.Tensor | None, token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[K, n, V'] logits; V' = len(token_ids) when given (rows of the vocabulary), else the whole vocabulary."""
+        features = self.features(hidden)
+        if self.lm_heads is not None:
+            rows = [head(features[k]) for k, head in enumerate(self.lm_heads)]
+            stacked = torch.stack(rows)
+            return stacked if token_ids is None else stacked.index_select(-1, token_ids)
+        if shared_weight is None:
+            raise ValueError("these heads share the target's LM head: pass its weight")
+        weight = shared_weight if token_ids is None else shared_weight.index_select(0, token_ids)
+        return features @ weight.T
+
+    # -- files ---------------------------------------------------------------------------------------------------
+    def state_in_fasterdecoding_layout(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for k, block in enumerate(self.blocks):
+            for layer, residual in enumerate(block):
+                state[f"{k}.{layer}.linear.weight"] = residual.linear.weight.detach()
+                state[f"{k}.{layer}.linear.bias"] = residual.linear.bias.detach()
+            if self.lm_heads is not None:
+                state[f"{k}.{self.config.num_layers}.weight"] = self.lm_heads[k].weight.detach()
+        return state
+
+    def save(self, folder: Path, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> str:
+        """Write config.json and medusa_lm_head.safetensors; returns the weights file's sha256."""
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {name: tensor.to(dtype).contiguous() for name, tensor in self.state_in_fasterdecoding_layout().items()}
+        weights = folder / WEIGHTS_NAMES[0]
+        save_file(state, str(weights))
+        config = {
+            "medusa_num_heads": self.config.num_heads,
+            "medusa_num_layers": self.config.num_layers,
+            "base_model_name_or_path": self.config.base_model,
+            "hidden_size": self.config.hidden_size,
+            "vocab_size": self.config.vocab_size,
+            "shared_lm_head": not self.config.own_lm_head,
+            "head_tokens": self.config.head_tokens,
+            "torch_dtype": str(dtype).replace("torch.", ""),
+        }
+        config.update(extra or {})
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return file_sha256(weights)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_state(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    for name in WEIGHTS_NAMES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(str(path)), path
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # corrupt or foreign file: one line, not a traceback
+            raise MedusaLoadError(f"cannot read Medusa heads from {path}: {type(error).__name__}: {error}") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise MedusaLoadError(f"{path} holds no tensor dictionary of Medusa heads")
+        return state, path
+    raise MedusaLoadError(f"no Medusa heads in {folder}: expected {' or '.join(WEIGHTS_NAMES)} and config.json")
+
+
+def load_heads(
+    source: str | Path,
+    hidden_size: int,
+    vocab_size: int,
+    expected_sha256: str | None = None,
+) -> MedusaHeads:
+    """Heads from a folder in FasterDecoding's layout, checked against the target's hidden size and vocabulary.
+
+    ``expected_sha256``: refuse a weights file whose digest differs (the shipped heads are checked this way).
+    """
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        raise MedusaLoadError(f"Medusa heads not found: {source} is not a folder")
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+        num_heads = int(raw["medusa_num_heads"])
+        num_layers = int(raw.get("medusa_num_layers", 1))
+    except FileNotFoundError:
+        raise MedusaLoadError(f"no config.json in {folder}: not a Medusa heads folder") from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise MedusaLoadError(f"{folder / 'config.json'} is not a Medusa config ({error})") from None
+    state, weights_path = _read_state(folder)
+    if expected_sha256 is not None:
+        digest = file_sha256(weights_path)
+        if digest != expected_sha256:
+            raise MedusaLoadError(
+                f"{weights_path} is damaged or replaced: sha256 {digest[:16]}…, expected {expected_sha256[:16]}…"
+            )
+    if num_heads < 1 or num_layers < 0:
+        raise MedusaLoadError(f"{folder}: medusa_num_heads must be >= 1 and medusa_num_layers >= 0")
+    own_lm_head = f"0.{num_layers}.weight" in state
+    for k in range(num_heads):
+        for layer in range(num_layers):
+            weight = state.get(f"{k}.{layer}.linear.weight")
+            if weight is None or f"{k}.{layer}.linear.bias" not in state:
+                raise MedusaLoadError(f"{weights_path}: missing weights of head {k}, layer {layer}")
+            if tuple(weight.shape) != (hidden_size, hidden_size):
+                raise MedusaLoadError(
+                    f"these Medusa heads are for hidden size {weight.shape[-1]}, the target's is {hidden_size}"
+                )
+        if own_lm_head:
+            head = state.get(f"{k}.{num_layers}.weight")
+            if head is None:
+                raise MedusaLoadError(f"{weights_path}: head {k} has no LM head weight")
+            if head.shape[1] != hidden_size:
+                raise MedusaLoadError(
+                    f"these Medusa heads are for hidden size {head.shape[1]}, the target's is {hidden_size}"
+                )
+            if head.shape[0] != vocab_size:
+                raise MedusaLoadError(
+                    f"these Medusa heads score a vocabulary of {head.shape[0]} tokens, the target's has {vocab_size}"
+                )
+    declared_vocab = raw.get("vocab_size")
+    if not own_lm_head and declared_vocab is not None and int(declared_vocab) != vocab_size:
+        raise MedusaLoadError(f"these Medusa heads are for a vocabulary of {declared_vocab} tokens, the target's has "
+                              f"{vocab_size}")
+    if num_layers == 0 and not own_lm_head:
+        raise MedusaLoadError(f"{weights_path}: heads with no layers need an LM head of their own")
+    config = MedusaConfig(
+        num_heads=num_heads,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        own_lm_head=own_lm_head,
+        head_tokens=int(raw.get("head_tokens", 0) or 0),
+        base_model=str(raw.get("base_model_name_or_path", "")),
+    )
+    heads = MedusaHeads(config)
+    own = heads.state_in_fasterdecoding_layout()
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(state[name].float())
+    heads.eval().requires_grad_(False)
+    return heads
+
+
+def shipped_heads_for(target_source: str) -> tuple[Path, str] | None:
+    """(folder, sha256) of the heads shipped with specdemo for this target (an offline-pack name), or None."""
+    from .offline import is_offline_source, offline_name
+
+    if not is_offline_source(target_source):
+        return None
+    return SHIPPED_HEADS.get(offline_name(target_source))
+
+
+def config_dict(config: MedusaConfig) -> dict:
+    return asdict(config)
