@@ -215,6 +215,22 @@ class CostAwareDraftLength:
                 self._passed_at[position] += 1.0
 
 
+class TreeBudget(CostAwareDraftLength):
+    """A node budget for token trees: always ``k_max`` nodes at most, and the verify cost model of the adaptive
+    policy (measured passes fitted on top of the calibrated curve) for the drafter, which sizes each tree itself
+    from its candidates' probabilities (see :class:`specdemo.medusa.MedusaDrafter`)."""
+
+    def next_length(self) -> int:
+        self._rounds += 1
+        return self.k_max
+
+    def verify_cost(self, length: int) -> float:
+        """Seconds of a verify pass over ``length`` tokens (a guess of 1 s per pass before any measurement)."""
+        if not self._verify_time:
+            return 1.0
+        return self._verify_cost(length)
+
+
 def make_policy(
     spec: int | str, k_max: int = 12, free_drafts: bool = False, prior: "CostCurve | None" = None
 ) -> DraftLengthPolicy:

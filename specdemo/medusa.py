@@ -14,13 +14,19 @@ On disk (FasterDecoding's layout): a folder with ``config.json`` (``medusa_num_h
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
+
+from .drafters import Proposal, RoundResult
+from .lm import TargetPass
+from .sampling import SamplingSettings, target_distribution
 
 logger = logging.getLogger(__name__)
 
@@ -239,5 +245,171 @@ def shipped_heads_for(target_source: str) -> tuple[Path, str] | None:
     return SHIPPED_HEADS.get(offline_name(target_source))
 
 
-def config_dict(config: MedusaConfig) -> dict:
-    return asdict(config)
+# ----------------------------------------------------------------------------------------------------------------
+# drafting
+
+
+def build_tree(
+    head_probs: torch.Tensor, head_ids: torch.Tensor, budget: int
+) -> tuple[list[int], list[int], list[float]]:
+    """The ``budget`` most likely nodes of the tree of candidate continuations, best first.
+
+    ``head_probs`` / ``head_ids``: [K, w] each head's top-w probabilities and token ids (head k guesses depth k).
+    A node's score is the product of its path's probabilities (heads taken as independent), so every ancestor
+    scores at least as high as its descendants and the ``budget`` best nodes form a tree. Returns (tokens,
+    parents, scores), parents before children; with w = 1 the tree is a chain.
+    """
+    num_heads, width = head_probs.shape
+    probs = head_probs.tolist()
+    ids = head_ids.tolist()
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    # candidates: (-score, tie-breaker, depth, rank, parent node, parent's score)
+    frontier = [(-probs[0][0], 0, 0, 0, -1, 1.0)]
+    counter = 1
+    while frontier and len(tokens) < budget:
+        negative, _, depth, rank, parent, parent_score = heapq.heappop(frontier)
+        node = len(tokens)
+        tokens.append(int(ids[depth][rank]))
+        parents.append(parent)
+        scores.append(-negative)
+        if rank + 1 < width:  # the next sibling
+            heapq.heappush(frontier, (-parent_score * probs[depth][rank + 1], counter, depth, rank + 1, parent,
+                                      parent_score))
+            counter += 1
+        if depth + 1 < num_heads:  # the first child
+            heapq.heappush(frontier, (negative * probs[depth + 1][0], counter, depth + 1, 0, node, -negative))
+            counter += 1
+    return tokens, parents, scores
+
+
+class MedusaDrafter:
+    """Drafts from Medusa heads on the hidden state of the target's last accepted position: no second model.
+
+    Head k's guess is the token k + 1 places after that position, i.e. k places after the token the target has
+    just written. ``tree=False`` drafts a chain of each head's top token (sampled from each head's warped
+    distribution under sampling settings, which rejection sampling makes exact); ``tree=True`` (greedy only)
+    drafts the most likely nodes of the tree of the heads' top ``top_width`` tokens. ``verify_cost`` (seconds of a
+    verify pass over n tokens, from the measured cost curve) sizes each tree: the node count that maximises
+    expected tokens per second, none when a plain step is better; without it a tree uses its whole budget.
+    ``head_tokens``: score this many of the lowest token ids plus the prompt's and EOS (None = the heads' own
+    setting; 0 = the whole vocabulary).
+    """
+
+    name = "medusa"
+
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        lm_head_weight: torch.Tensor | None,
+        sampling: SamplingSettings,
+        target_vocab_size: int,
+        eos_token_ids: Sequence[int] = (),
+        tree: bool = False,
+        top_width: int = 4,
+        head_tokens: int | None = None,
+        generator: torch.Generator | None = None,
+        verify_cost: Callable[[int], float] | None = None,
+    ) -> None:
+        if tree and not sampling.greedy:
+            raise ValueError("a Medusa tree is verified greedily only; sampled runs use the chain")
+        self.heads = heads
+        self.lm_head_weight = lm_head_weight
+        self.sampling = sampling
+        self.target_vocab_size = target_vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.tree = tree
+        self.top_width = top_width
+        self.head_tokens = heads.config.head_tokens if head_tokens is None else head_tokens
+        self.generator = generator
+        self.verify_cost = verify_cost
+        self._hidden: torch.Tensor | None = None
+        self._token_ids: torch.Tensor | None = None
+        self._weight: torch.Tensor | None = None
+        self._expected = 0.0  # predicted accepted tokens, summed over rounds (decayed), for calibrating scores
+        self._observed = 0.0
+        self._last_expected = 0.0  # the tree just proposed: its predicted accepted tokens
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads.config.num_heads
+
+    def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
+        if prefill is None or prefill.hidden_states is None:
+            raise ValueError("Medusa heads need the target's hidden states from the prompt's pass")
+        self._hidden = prefill.hidden_states[-1]
+        device = self._hidden.device
+        vocab = self.target_vocab_size
+        self._token_ids = None
+        if self.head_tokens and self.head_tokens < vocab:
+            extra = {int(t) for t in prompt_ids} | set(self.eos_token_ids)
+            ids = sorted(set(range(self.head_tokens)) | {t for t in extra if 0 <= t < vocab})
+            self._token_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        self._weight = None
+        if self.heads.lm_heads is None:
+            assert self.lm_head_weight is not None
+            with torch.inference_mode():
+                weight = self.lm_head_weight[:vocab]
+                self._weight = weight if self._token_ids is None else weight.index_select(0, self._token_ids)
+
+    @torch.inference_mode()
+    def _head_logits(self) -> torch.Tensor:
+        assert self._hidden is not None
+        hidden = self._hidden.view(1, -1)
+        if self._weight is not None:
+            return self.heads.logits(hidden, self._weight)[:, 0]
+        return self.heads.logits(hidden, None, self._token_ids)[:, 0]
+
+    def _vocab_id(self, index: torch.Tensor) -> torch.Tensor:
+        return index if self._token_ids is None else self._token_ids[index]
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
+        if max_tokens <= 0 or self._hidden is None:
+            return Proposal()
+        logits = self._head_logits()[: min(self.num_heads, max_tokens) if not self.tree else self.num_heads]
+        if self.tree:
+            probs = logits.float().softmax(-1)
+            top = probs.topk(min(self.top_width, probs.shape[-1]), dim=-1)
+            tokens, parents, scores = build_tree(top.values, self._vocab_id(top.indices), max_tokens)
+            count = self._tree_size(scores)
+            self._last_expected = sum(scores[:count])
+            return Proposal(tokens[:count], None, 0.0, parents[:count])
+        if self.sampling.greedy:
+            return Proposal([int(t) for t in self._vocab_id(logits.argmax(-1)).tolist()])
+        rows, tokens = [], []
+        for head_logits in logits:
+            probs = target_distribution(head_logits, self.sampling)
+            choice = torch.multinomial(probs, 1, generator=self.generator)
+            tokens.append(int(self._vocab_id(choice)[0]))
+            full = torch.zeros(self.target_vocab_size, dtype=probs.dtype, device=probs.device)
+            if self._token_ids is None:
+                full[: probs.shape[0]] = probs[: self.target_vocab_size]
+            else:
+                full[self._token_ids] = probs
+            rows.append(full)
+        return Proposal(tokens, torch.stack(rows))
+
+    def _tree_size(self, scores: list[float]) -> int:
+        """How many of the best nodes pay for their place in the verify pass (all, without a cost model)."""
+        if self.verify_cost is None or not scores:
+            return len(scores)
+        # heads' probabilities are not calibrated: scale them by how many tokens such trees really gave
+        ratio = (self._observed + 1.0) / (self._expected + 1.0)
+        best_count, best_rate = 0, 1.0 / self.verify_cost(1)
+        expected = 1.0
+        for count, score in enumerate(scores, start=1):
+            expected += ratio * score
+            rate = expected / self.verify_cost(count + 1)
+            if rate > best_rate:
+                best_count, best_rate = count, rate
+        return best_count
+
+    def feedback(self, result: RoundResult) -> None:
+        if result.target_pass is None or result.target_pass.hidden_states is None:
+            raise ValueError("Medusa heads need the target's hidden states from every verify pass")
+        self._hidden = result.target_pass.hidden_states[result.verdict.last_row]
+        if self.tree and result.num_drafted:
+            self._expected = 0.9 * self._expected + self._last_expected
+            self._observed = 0.9 * self._observed + result.num_accepted

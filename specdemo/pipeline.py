@@ -6,16 +6,18 @@ The bench and the app both go through here, so a mode means the same thing every
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, replace
 from typing import Collection, Iterator
 
 import torch
 
 from .calibration import CostCurve
-from .draft_length import make_policy
+from .draft_length import DraftLengthPolicy, TreeBudget, make_policy
 from .drafters import NGRAM_PREFERENCES, DraftModelDrafter, Drafter, NgramDrafter
 from .engine import GenerationSettings, RoundEvent, plain_decode, seeded_generator, speculative_decode
 from .lm import CachedLM
+from .medusa import MedusaDrafter, MedusaHeads, MedusaLoadError, load_heads, shipped_heads_for
 from .memory import return_free_memory
 from .models import CacheKey, LoadedModel, clear_model_cache, same_tokenizer
 from .uag import UniversalDrafter, shared_vocabulary, token_bytes
@@ -27,8 +29,11 @@ SPEC_MODES: dict[str, str] = {
     "draft": "draft model (same tokenizer)",
     "ngram": "n-gram prompt lookup (no draft model)",
     "uag": "draft model with a different tokenizer (universal assisted generation)",
+    "medusa": "Medusa heads on the target, a tree of candidates (no draft model)",
+    "medusa-chain": "Medusa heads on the target, each head's top token (no draft model)",
 }
 MODES_NEEDING_DRAFT = {"draft", "uag"}
+MEDUSA_MODES = {"medusa", "medusa-chain"}
 
 #: default cap on prompt tokens: a prompt pass is cheap on a GPU, tens of seconds per thousand tokens on a CPU
 DEFAULT_MAX_PROMPT_TOKENS = {"cpu": 2048, "mps": 4096, "cuda": 8192}
@@ -57,6 +62,7 @@ class SpecSettings:
     ngram_min: int = 1
     ngram_max: int = 4
     ngram_prefer: str = "follow"  # which earlier occurrence an n-gram draft copies: "follow", "recent" or "first"
+    medusa_heads: str | None = None  # folder of Medusa heads; None = the heads shipped for the target
 
     def validate(self) -> None:
         if self.mode not in SPEC_MODES:
@@ -154,11 +160,59 @@ def _seeded(seed: int | None, device: torch.device) -> torch.Generator | None:
     return seeded_generator(None if seed is None else seed + 1, device)
 
 
+#: Medusa heads loaded per target model (freed with it), by source folder and format
+_HEADS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, MedusaHeads]]" = weakref.WeakKeyDictionary()
+
+
+def medusa_heads(target: LoadedModel, source: str | None = None) -> MedusaHeads:
+    """The Medusa heads for ``target`` in its format and on its device: from ``source`` (a folder), or the heads
+    shipped for an offline target (sha256-checked); InputError with one line when there are none or they misfit."""
+    expected_sha256 = None
+    if source is None:
+        shipped = shipped_heads_for(target.source)
+        if shipped is None:
+            raise InputError(
+                f"no Medusa heads ship for {target.source}: name a heads folder (--medusa-heads PATH), or use "
+                "offline:qwen2.5-coder-1.5b",
+                field="medusa_heads",
+            )
+        folder, expected_sha256 = shipped
+        source = str(folder)
+    per_model = _HEADS.setdefault(target.model, {})
+    if source in per_model:
+        return per_model[source]
+    weight = target.model.get_output_embeddings().weight
+    try:
+        heads = load_heads(source, weight.shape[1], weight.shape[0], expected_sha256)
+    except MedusaLoadError as error:
+        raise InputError(str(error), field="medusa_heads") from None
+    heads = heads.to(device=target.device, dtype=weight.dtype)
+    per_model[source] = heads
+    return heads
+
+
 def make_drafter(
-    spec: SpecSettings, target: LoadedModel, draft: LoadedModel | None, settings: GenerationSettings
+    spec: SpecSettings,
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    settings: GenerationSettings,
+    policy: DraftLengthPolicy | None = None,
 ) -> Drafter:
     spec.validate()
     check_pair(spec.mode, target, draft)
+    if spec.mode in MEDUSA_MODES:
+        weight = target.model.get_output_embeddings().weight
+        tree = spec.mode == "medusa" and settings.sampling.greedy  # sampling is exact on a chain only
+        return MedusaDrafter(
+            medusa_heads(target, spec.medusa_heads),
+            weight.detach(),
+            settings.sampling,
+            target_vocab_size=weight.shape[0],
+            eos_token_ids=target.eos_token_ids,
+            tree=tree,
+            generator=_seeded(settings.sampling.seed, target.device),
+            verify_cost=policy.verify_cost if tree and isinstance(policy, TreeBudget) else None,
+        )
     if spec.mode == "ngram":
         return NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_prefer)
     assert draft is not None
@@ -213,11 +267,17 @@ def spec_events(
 ) -> Iterator[RoundEvent]:
     """The speculative side of a run; ``calibration`` (this machine's cost curve for this target and format, see
     :mod:`specdemo.calibration`) gives the adaptive draft length somewhere to start from."""
-    drafter = make_drafter(spec, target, draft, settings)
-    policy = make_policy(
-        spec.draft_length, spec.max_draft_length, free_drafts=spec.mode == "ngram",
-        prior=policy_prior(calibration, target, draft, spec.mode),
-    )
+    prior = policy_prior(calibration, target, draft, spec.mode)
+    if spec.mode in MEDUSA_MODES:
+        heads = medusa_heads(target, spec.medusa_heads)
+        if spec.mode == "medusa" and settings.sampling.greedy and spec.draft_length == "adaptive":
+            policy: DraftLengthPolicy = TreeBudget(k_max=spec.max_draft_length, prior=prior)
+        else:  # a chain is at most one token per head; drafting it costs next to nothing
+            policy = make_policy(spec.draft_length, min(spec.max_draft_length, heads.config.num_heads),
+                                 free_drafts=True, prior=prior)
+    else:
+        policy = make_policy(spec.draft_length, spec.max_draft_length, free_drafts=spec.mode == "ngram", prior=prior)
+    drafter = make_drafter(spec, target, draft, settings, policy)
     return speculative_decode(
         CachedLM(target.model), drafter, policy, prompt_ids, settings, target.eos_token_ids, target.tokenizer
     )

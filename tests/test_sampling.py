@@ -17,6 +17,7 @@ from specdemo.draft_length import FixedDraftLength
 from specdemo.drafters import DraftModelDrafter, NgramDrafter
 from specdemo.engine import GenerationSettings, collect, plain_decode, speculative_decode
 from specdemo.lm import CachedLM
+from specdemo.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
 from specdemo.sampling import SamplingSettings, accept_sampling, target_distribution, warp_logits
 
 from tiny import llama
@@ -97,18 +98,26 @@ def _exact_pairs(model, settings: SamplingSettings) -> dict:
     return {(a, b): float(first[a] * second[a, b]) for a, b in itertools.product(range(VOCAB), repeat=2)}
 
 
-@pytest.mark.parametrize("drafter_kind", ["draft-model", "ngram"])
+@pytest.mark.parametrize("drafter_kind", ["draft-model", "ngram", "medusa-chain"])
 def test_speculative_sampling_matches_target_end_to_end(drafter_kind: str):
     target = llama(21, layers=1, vocab=VOCAB, hidden=32)
     draft = llama(22, layers=1, vocab=VOCAB, hidden=32)
     sampling = SamplingSettings(temperature=1.3, top_k=6)
     exact = _exact_pairs(target, sampling)
+    heads = MedusaHeads(MedusaConfig(2, 1, 32, VOCAB))
+    with torch.no_grad():
+        for parameter in heads.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
     trials = 1500
     counts: dict = {}
     for seed in range(trials):
         settings = GenerationSettings(max_new_tokens=3, sampling=SamplingSettings(1.3, 6, 1.0, seed), collect_probs=False)
         if drafter_kind == "ngram":
             drafter = NgramDrafter(1, 2)
+        elif drafter_kind == "medusa-chain":  # the heads' warped softmax is the draft distribution
+            generator = torch.Generator().manual_seed(10_000 + seed)
+            drafter = MedusaDrafter(heads, target.get_output_embeddings().weight.detach(), settings.sampling, VOCAB,
+                                    generator=generator)
         else:
             generator = torch.Generator().manual_seed(10_000 + seed)
             drafter = DraftModelDrafter(draft, settings.sampling, VOCAB, generator=generator)
