@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds of wall clock a race may take before it stops with its figures so far (or set "
         "SPECDEMO_RACE_TIME_BUDGET; default: none, 300 on a Hugging Face Space)",
     )
+    parser.add_argument(
+        "--medusa-heads",
+        help="folder of Medusa heads for the medusa modes (default: the heads shipped for the offline target; "
+        "FasterDecoding's layout is accepted)",
+    )
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -104,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_new_tokens_limit=args.max_new_tokens_limit,
         max_prompt_tokens=args.max_prompt_tokens,
         race_time_budget=args.race_time_budget,
+        medusa_heads=args.medusa_heads,
     )
     demo = build_app(config)
     if args.preload:

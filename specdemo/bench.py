@@ -28,7 +28,17 @@ from .lm import now
 from .metrics import compare, run_metrics
 from .models import LoadedModel, LoadSettings, ModelLoadError, load_model
 from .offline import OfflinePackError
-from .pipeline import SPEC_MODES, InputError, SpecSettings, check_lengths, encode_prompt, plain_events, spec_events
+from .pipeline import (
+    MEDUSA_MODES,
+    SPEC_MODES,
+    InputError,
+    SpecSettings,
+    check_lengths,
+    encode_prompt,
+    medusa_heads,
+    plain_events,
+    spec_events,
+)
 from .presets import default_preset_key, get_preset, PRESETS
 from .prompts import Prompt, PromptFileError, load_prompts
 from .sampling import SamplingSettings
@@ -234,6 +244,11 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
             entry["mean_accepted_length"] = metrics.mean_accepted_length
             entry["alpha"] = metrics.alpha
             entry["acceptance_by_position"] = metrics.acceptance_by_position
+            entry["mean_draft_length"] = metrics.mean_draft_length  # for a tree: its nodes per round
+            total = Counters.total(mode_counters)
+            entry["tokens_per_target_pass"] = total.new_tokens / total.target_passes if total.target_passes else None
+            if mode in MEDUSA_MODES:  # head k's acceptance, given the heads before it were accepted
+                entry["per_head_acceptance"] = metrics.conditional_acceptance
             if plain_counters is not None:
                 comparison = compare(metrics, run_metrics(plain_counters))
                 entry["expected_speedup"] = comparison.expected_speedup
@@ -253,13 +268,16 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
 
 
 def format_table(summary: dict[str, dict], by_category: dict[str, dict[str, dict]]) -> str:
-    header = f"{'category':<16} {'mode':<12} {'tok/s':>7} {'speedup':>8} {'accept':>7} {'acc.len':>7} {'expect':>7} {'same':>6}"
+    header = (
+        f"{'category':<16} {'mode':<12} {'tok/s':>7} {'speedup':>8} {'drafted':>7} {'accept':>7} {'acc.len':>7} "
+        f"{'expect':>7} {'same':>6}"
+    )
     lines = [header, "-" * len(header)]
 
     def row(category: str, mode: str, e: dict) -> str:
         return (
             f"{category:<16} {mode:<12} {_fmt(e['tokens_per_s'], '.2f'):>7} {_fmt(e['speedup'], '.2f', 'x'):>8} "
-            f"{_fmt(e['acceptance_rate'], '.0%'):>7} {_fmt(e['mean_accepted_length'], '.2f'):>7} "
+            f"{_fmt(e.get('mean_draft_length'), '.1f'):>7} {_fmt(e['acceptance_rate'], '.0%'):>7} {_fmt(e['mean_accepted_length'], '.2f'):>7} "
             f"{_fmt(e['expected_speedup'], '.2f', 'x'):>7} {e['identical_to_plain']:>3}/{e['prompts']:<2}"
         )
 
@@ -452,6 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="which earlier occurrence an n-gram draft copies: follow (continue the last accepted copy, else the "
         "most recent), recent, or first (as transformers' prompt lookup)",
     )
+    parser.add_argument(
+        "--medusa-heads", help="folder of Medusa heads for the medusa modes (default: the heads shipped for the "
+        "offline target); FasterDecoding's layout is accepted",
+    )
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -516,11 +538,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             ngram_min=args.ngram_min,
             ngram_prefer=args.ngram_prefer,
             ngram_max=args.ngram_max,
+            medusa_heads=args.medusa_heads,
         )
         spec.validate()
         SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed).validate()
         load = LoadSettings(dtype=args.dtype, device=args.device)
         target = load_model(target_source, LoadSettings(dtype=args.dtype, device=args.device, quantization=args.load_in), progress=not args.quiet)
+        if any(m in MEDUSA_MODES for m in modes):
+            medusa_heads(target, args.medusa_heads)  # missing or misfit heads: one line before any run
         draft = load_model(draft_source, load, progress=not args.quiet) if needs_draft and draft_source else None
         uag_draft = None
         if args.uag_draft and any(m in UAG_MODES for m in modes):

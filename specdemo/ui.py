@@ -35,6 +35,7 @@ from .memory import resident_gb, return_free_memory
 from .models import CacheKey, LoadedModel, LoadSettings, ModelLoadError, cache_key, load_model, resolve_device
 from .offline import OfflinePackError
 from .pipeline import (
+    MEDUSA_MODES,
     MODES_NEEDING_DRAFT,
     SPEC_MODES,
     InputError,
@@ -45,6 +46,7 @@ from .pipeline import (
     check_prompt_tokens,
     default_max_prompt_tokens,
     encode_prompt,
+    medusa_heads,
     plain_events,
     release_models,
     spec_events,
@@ -172,6 +174,7 @@ class AppConfig:
     max_new_tokens_limit: int = 2048
     max_prompt_tokens: int | None = None  # cap on prompt tokens; None: 2,048 on a CPU, more on a GPU
     race_time_budget: float | None = None  # seconds of wall clock per race before it stops; None: no limit
+    medusa_heads: str | None = None  # Medusa heads folder for the medusa modes; None: the target's shipped heads
     calibrate: bool = True  # measure (once per machine, model and format) and chart what a pass costs here
     warmup_tokens: int = 16  # an untimed warm-up race of this many tokens the first time a pair runs (0: none)
     examples: list[Prompt] | None = None  # None: the bundled prompt set
@@ -379,7 +382,10 @@ class Racer:
             if request.mode not in SPEC_MODES:
                 raise InputError(f"unknown mode {request.mode!r}; choose one of: {', '.join(SPEC_MODES)}")
         with _blame("draft_tokens"):
-            spec = SpecSettings(mode=request.mode, draft_length=parse_draft_tokens(request.draft_tokens))
+            spec = SpecSettings(
+                mode=request.mode, draft_length=parse_draft_tokens(request.draft_tokens),
+                medusa_heads=config.medusa_heads,
+            )
             spec.validate()
         with _blame("temperature"):
             try:
@@ -429,6 +435,8 @@ class Racer:
         prompt_ids = encode_prompt(target, request.prompt, chat=bool(request.chat))
         check_prompt_tokens(prompt_ids, max_prompt_tokens)
         check_lengths(target, prompt_ids, settings)
+        if spec.mode in MEDUSA_MODES:
+            medusa_heads(target, spec.medusa_heads)  # none shipped for this target, or misfit: one line, now
         draft = None
         if draft_source:
             draft = self._load(draft_source, draft_settings, lambda f, m: report(0.5 + 0.5 * f, m), "draft")
@@ -1218,7 +1226,7 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
                 position_plot = gr.BarPlot(
                     x="draft position",
                     y="acceptance rate",
-                    title="Acceptance by draft position",
+                    title="Acceptance by draft position (Medusa: head k drafts position k)",
                     y_lim=[0, 1],
                     sort=[str(k) for k in range(1, 65)],
                     elem_id="position-plot",

@@ -10,7 +10,7 @@ import pytest
 from specdemo import bench
 from specdemo.models import clear_model_cache
 
-from tiny import save_tiny_pair
+from tiny import save_tiny_heads, save_tiny_pair
 
 
 @pytest.fixture(autouse=True)
@@ -75,6 +75,23 @@ def test_bench_json_and_identity(pair, prompt_file, tmp_path, capsys):
     assert calibration["lengths"] == [1, 2, 4, 8, 16] and calibration["relative"][0] == 1.0
     assert calibration["hardware"]["device"] == "cpu" and calibration["draft_seconds_per_token"] > 0
     assert "a pass over k tokens costs" in table and "machine:" in table
+
+
+def test_bench_medusa_modes(pair, prompt_file, tmp_path, capsys):
+    heads = save_tiny_heads(tmp_path / "heads")
+    report = _run(pair, prompt_file, tmp_path, "--modes", "plain,medusa,medusa-chain", "--medusa-heads", heads)
+    assert all(row["identical_to_plain"] for row in report["results"])
+    for mode in ("medusa", "medusa-chain"):
+        entry = report["summary"][mode]
+        assert entry["tokens_per_target_pass"] >= 1.0 and entry["mean_draft_length"] is not None
+        assert len(entry["per_head_acceptance"]) <= 3  # one figure per head (drafting depth)
+    assert report["summary"]["medusa-chain"]["mean_draft_length"] <= 3
+    assert "medusa-chain" in capsys.readouterr().out
+    clear_model_cache()
+    code = bench.main(["--target", pair[0], "--prompts", str(prompt_file), "--modes", "medusa", "--quiet",
+                       "--dtype", "float32", "--calibration", "off"])
+    assert code == 2
+    assert "no Medusa heads ship for" in capsys.readouterr().err
 
 
 def test_bench_calibration_can_be_switched_off(pair, prompt_file, tmp_path, capsys):

@@ -196,6 +196,22 @@ def test_ngram_mode_needs_no_draft_and_shows_mode(handlers: ui.Handlers) -> None
     assert "n-gram" in final["spec_stats"]
 
 
+def test_medusa_modes_race_on_the_target_alone_with_named_heads(tmp_path) -> None:
+    from tiny import save_tiny_heads
+
+    heads = save_tiny_heads(tmp_path / "heads", vocab=tiny_app.VOCAB)
+    handlers = ui.make_handlers(tiny_app.config(medusa_heads=heads))
+    for mode in ("medusa", "medusa-chain"):
+        final = run(handlers, mode=mode)[-1]
+        assert final["result"]["draft"] is None and final["result"]["mode"] == mode
+        assert final["result"]["identical"] is True
+    # without heads for this target: one line, and the app keeps serving
+    plain_handlers = ui.make_handlers(tiny_app.config())
+    with pytest.raises(gr.Error, match="no Medusa heads ship for"):
+        run(plain_handlers, mode="medusa")
+    assert run(plain_handlers)[-1]["result"]["identical"] is True
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

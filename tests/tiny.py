@@ -100,3 +100,18 @@ def save_tiny_pair(folder, vocab: int = 320) -> tuple[str, str]:
         tokenizer.save_pretrained(path)
         paths.append(str(path))
     return paths[0], paths[1]
+
+
+def save_tiny_heads(folder, hidden: int = 64, vocab: int = 320, num_heads: int = 3, seed: int = 0) -> str:
+    """Random Medusa heads (shared LM head) for a tiny target, saved as a heads folder; return its path."""
+    from pathlib import Path
+
+    from specdemo.medusa import MedusaConfig, MedusaHeads
+
+    heads = MedusaHeads(MedusaConfig(num_heads, 1, hidden, vocab))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in heads.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    heads.save(Path(folder), torch.float32)
+    return str(folder)
