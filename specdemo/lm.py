@@ -148,8 +148,11 @@ class CachedLM:
         for layer in self.cache.layers:
             if not hasattr(layer, "keys") or getattr(layer, "is_sliding", False):
                 raise NotImplementedError("keeping a tree path needs a full-attention cache")
-            layer.keys = torch.cat([layer.keys[:, :, :base], layer.keys.index_select(2, index)], dim=2)
-            layer.values = torch.cat([layer.values[:, :, :base], layer.values.index_select(2, index)], dim=2)
+            # the kept rows move up behind the prefix (only the new rows are copied), the rest is cut off
+            layer.keys[:, :, base : base + len(rows)] = layer.keys.index_select(2, index)
+            layer.values[:, :, base : base + len(rows)] = layer.values.index_select(2, index)
+            layer.keys = layer.keys[:, :, : base + len(rows)]
+            layer.values = layer.values[:, :, : base + len(rows)]
         self.length = base + len(rows)
 
     @torch.inference_mode()

@@ -108,12 +108,18 @@ def build_sequences(tokenizer, settings: TrainSettings) -> tuple[list[dict], lis
         text = path.read_text(encoding="utf-8", errors="replace")
         module = relative[:-3].replace("/", ".")
         user = f"Show me part of the source code of the Python standard library module `{module}`."
-        header = tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
+        if getattr(tokenizer, "chat_template", None):
+            header = tokenizer.apply_chat_template(
+                [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        else:
+            header = tokenizer(user + "\n", add_special_tokens=True)["input_ids"]
         header = list(header) + tokenizer("```python\n", add_special_tokens=False)["input_ids"]
         body = tokenizer(text, add_special_tokens=False)["input_ids"]
         room = settings.sequence_tokens - len(header)
+        if room < 16:
+            raise ValueError(f"--sequence-tokens {settings.sequence_tokens} leaves no room after the {len(header)}-token "
+                             "prompt header")
         if len(body) < room // 2:
             continue  # too short to teach much
         start = rng.randrange(0, max(1, len(body) - room))
@@ -127,7 +133,8 @@ def build_sequences(tokenizer, settings: TrainSettings) -> tuple[list[dict], lis
 
 
 def labels_for(greedy: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[num_heads, n] targets: head k (1-based) at position t learns greedy[t + k]; -1 past the sequence's end."""
+    """[num_heads, n] targets, row k - 1 for head k (1-based): at position t it learns greedy[t + k], the target's
+    own greedy token k places after the one position t predicts; -1 past the sequence's end."""
     n = greedy.shape[0]
     labels = torch.full((num_heads, n), -1, dtype=torch.long)
     for k in range(1, num_heads + 1):
@@ -158,7 +165,7 @@ def cache_split(model, sequences: list[dict], folder: Path, name: str, max_heads
                 hidden = hidden[start:]
                 greedy = head(hidden).argmax(-1).cpu()
                 hidden_rows.append(hidden.to(torch.bfloat16).cpu())
-                label_rows.append(labels_for(greedy, max_heads + 1))
+                label_rows.append(labels_for(greedy, max_heads + 1))  # one head more than trained: room to grow
                 bar.update(1)
             partial = folder / f"{name}_{shard:04d}.pt.partial"
             torch.save({"hidden": torch.cat(hidden_rows), "labels": torch.cat(label_rows, dim=1)}, partial)
@@ -208,13 +215,13 @@ def evaluate(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, wei
              batch_size: int = 1024) -> list[float]:
     """Top-1 accuracy per head against the target's greedy token, over every valid position (tokens outside the
     scored subset count as misses)."""
-    correct = torch.zeros(labels.shape[0] - 1)
-    total = torch.zeros(labels.shape[0] - 1)
+    correct = torch.zeros(heads.config.num_heads)
+    total = torch.zeros(heads.config.num_heads)
     for start in range(0, hidden.shape[0], batch_size):
         h = hidden[start : start + batch_size].float()
         predicted = (heads.features(h) @ weight.T).argmax(-1)  # [K, b]
         for k in range(heads.config.num_heads):
-            target = labels[k + 1, start : start + batch_size]
+            target = labels[k, start : start + batch_size]  # row k: head k + 1's target
             valid = target >= 0
             correct[k] += float((predicted[k][valid] == target[valid]).sum())
             total[k] += float(valid.sum())
@@ -250,9 +257,10 @@ def train(settings: TrainSettings) -> dict:
     clear_model_cache()
     hidden, labels = load_split(folder, "train")
     held_hidden, held_labels = load_split(folder, "heldout")
-    train_labels = _sub_labels(labels[1 : settings.num_heads + 1], settings.head_tokens)
-    coverage = float((labels[1:] < settings.head_tokens).float()[labels[1:] >= 0].mean()) if settings.head_tokens \
-        else 1.0
+    head_labels = labels[: settings.num_heads]  # row k - 1: head k's target
+    train_labels = _sub_labels(head_labels, settings.head_tokens)
+    valid = head_labels >= 0
+    coverage = float((head_labels[valid] < settings.head_tokens).float().mean()) if settings.head_tokens else 1.0
 
     config = MedusaConfig(
         num_heads=settings.num_heads, num_layers=1, hidden_size=hidden_size, vocab_size=vocab_size,
@@ -289,6 +297,8 @@ def train(settings: TrainSettings) -> dict:
                 index = order[step * settings.batch_size : (step + 1) * settings.batch_size]
                 loss, per_head = head_loss(heads, hidden[index].float(), train_labels[:, index], weight,
                                            settings.loss_decay)
+                if not loss.requires_grad:  # no position of this batch has a target the head can score
+                    continue
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()

@@ -37,7 +37,9 @@ def test_offline_pair_float32_identical(pair):
     settings = GenerationSettings(max_new_tokens=20)
     plain = collect(plain_events(target, ids, settings))
     assert plain.new_token_ids == reference_greedy(target.model, ids, 20, target.eos_token_ids)
-    for spec in (SpecSettings("draft", 4), SpecSettings("draft", "adaptive"), SpecSettings("ngram", 5)):
+    specs = (SpecSettings("draft", 4), SpecSettings("draft", "adaptive"), SpecSettings("ngram", 5),
+             SpecSettings("medusa"), SpecSettings("medusa-chain"), SpecSettings("medusa", 8))
+    for spec in specs:
         final = collect(spec_events(target, draft, ids, settings, spec))
         assert final.new_token_ids == plain.new_token_ids, spec
         assert final.text == plain.text
