@@ -84,6 +84,7 @@ class BenchConfig:
     chat: bool
     hf_lookup_tokens: int
     limit: int | None = None
+    per_category: int | None = None
     categories: list[str] | None = None
     uag_draft: str | None = None
     draft_settings: dict[str, Any] = field(default_factory=dict)  # draft length, head, int8, n-gram sizes and rule
@@ -457,7 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--modes", default="plain,draft,ngram", help=f"comma list from: {', '.join(ALL_MODES)}")
     parser.add_argument("--prompts", help="JSON-lines prompt file (Spec-Bench or {id,category,prompt}); default: bundled set")
     parser.add_argument("--categories", help="comma list of categories to keep")
-    parser.add_argument("--limit", type=int, help="keep the first N prompts (after --categories)")
+    parser.add_argument("--per-category", type=int, help="keep the first N prompts of each category (a balanced sample)")
+    parser.add_argument("--limit", type=int, help="keep the first N prompts (after --categories and --per-category)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", default="adaptive", help="k, 'adaptive' (cost-aware) or 'heuristic' (+2/-1)")
     parser.add_argument("--max-draft-tokens", type=int, default=12, help="upper bound for adaptive policies")
@@ -528,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             draft_source = draft_source or preset.draft
         needs_draft = any(m in ("draft", "hf-assisted") or (m in UAG_MODES and not args.uag_draft) for m in modes)
         categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
-        prompts = load_prompts(args.prompts, categories=categories, limit=args.limit)
+        prompts = load_prompts(args.prompts, categories=categories, limit=args.limit, per_category=args.per_category)
         spec = SpecSettings(
             mode="draft",
             draft_length=args.num_draft_tokens,
@@ -569,6 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             chat=not args.raw,
             hf_lookup_tokens=args.hf_lookup_tokens,
             limit=args.limit,
+            per_category=args.per_category,
             categories=categories,
             draft_settings={k: v for k, v in asdict(spec).items() if k != "mode"},
         )

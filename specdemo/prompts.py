@@ -100,16 +100,20 @@ def load_prompts(
     path: str | Path | None = None,
     categories: Sequence[str] | None = None,
     limit: int | None = None,
+    per_category: int | None = None,
 ) -> list[Prompt]:
     """Load prompts from a JSON-lines file (the bundled set when ``path`` is None).
 
     Each non-blank line is either the simple form ``{"id", "category", "prompt"}`` or a
     Spec-Bench record ``{"question_id", "category", "turns"}`` (first turn used).
-    ``categories`` keeps exact category matches; ``limit`` keeps the first N after filtering.
+    ``categories`` keeps exact category matches; ``per_category`` keeps the first N of each category (a balanced
+    sample of a large set such as Spec-Bench's); ``limit`` keeps the first N after filtering.
     Raises PromptFileError with a one-line message on any problem.
     """
     if limit is not None and limit < 1:
         raise PromptFileError(f"limit must be at least 1, got {limit}")
+    if per_category is not None and per_category < 1:
+        raise PromptFileError(f"per-category count must be at least 1, got {per_category}")
     file = bundled_prompts_path() if path is None else Path(path).expanduser()
     if not file.is_file():
         raise PromptFileError(f"prompt file not found: {file}")
@@ -151,6 +155,14 @@ def load_prompts(
             )
         prompts = selected
 
+    if per_category is not None:
+        seen: dict[str, int] = {}
+        balanced = []
+        for prompt in prompts:
+            seen[prompt.category] = seen.get(prompt.category, 0) + 1
+            if seen[prompt.category] <= per_category:
+                balanced.append(prompt)
+        prompts = balanced
     if limit is not None:
         prompts = prompts[:limit]
     logger.debug("loaded %d prompts from %s", len(prompts), file)

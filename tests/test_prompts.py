@@ -211,3 +211,13 @@ def test_errors_are_value_errors_with_one_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as info:
         load_prompts(path)
     assert "\n" not in str(info.value)
+
+
+def test_per_category_keeps_a_balanced_sample(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [{"id": f"{c}{i}", "category": c, "prompt": "x"} for c in ("a", "b") for i in range(4)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    picked = load_prompts(path, per_category=2)
+    assert [p.id for p in picked] == ["a0", "a1", "b0", "b1"]
+    with pytest.raises(PromptFileError):
+        load_prompts(path, per_category=0)
