@@ -332,7 +332,7 @@ def speculative_decode(
         proposal = drafter.propose(context, wanted) if wanted > 0 else Proposal()
         tokens = [int(t) for t in proposal.tokens[:wanted]]
         num_drafted = len(tokens)
-        parents = None if is_chain(proposal.parents) else list(proposal.parents[:num_drafted])  # type: ignore[index]
+        parents = None if is_chain(proposal.parents) else list(proposal.parents or ())[:num_drafted]
         draft_tokens = torch.tensor(tokens, dtype=torch.long, device=device)
         draft_probs = proposal.draft_probs[:num_drafted] if proposal.draft_probs is not None else None
         drafted_at = now(device)

@@ -33,7 +33,10 @@ logger = logging.getLogger(__name__)
 WEIGHTS_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 #: the heads shipped for the offline target, and the sha256 of their weights file (checked on load)
 SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
-    "qwen2.5-coder-1.5b": (Path(__file__).parent / "data" / "medusa" / "qwen2.5-coder-1.5b", "PENDING"),
+    "qwen2.5-coder-1.5b": (
+        Path(__file__).parent / "data" / "medusa" / "qwen2.5-coder-1.5b",
+        "5bda2d95eda45df56049e423a605f4b6476ed390b7452ca1e365439e54e013e8",
+    ),
 }
 
 
