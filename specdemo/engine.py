@@ -219,13 +219,17 @@ def _check_prompt(prompt_ids: Sequence[int]) -> torch.Tensor:
 
 
 def _prefill(
-    target: CausalLM, prompt: torch.Tensor, settings: GenerationSettings, generator: torch.Generator | None
+    target: CausalLM,
+    prompt: torch.Tensor,
+    settings: GenerationSettings,
+    generator: torch.Generator | None,
+    with_hidden: bool = True,
 ) -> tuple[int, TargetPass, float]:
     """The prompt's pass: the first new token, the pass (its last position) and the seconds it took."""
     device = getattr(target, "device", torch.device("cpu"))
     start = now(device)
     target.reset()
-    prefill = target.run(prompt, all_logits=False)
+    prefill = target.run(prompt, all_logits=False, with_hidden=with_hidden)
     token = choose_token(prefill.logits[-1], settings.sampling, generator)
     return token, prefill, now(device) - start
 
@@ -255,7 +259,7 @@ def plain_decode(
     output = _Output(tokenizer, settings, eos_token_ids)
     counters = Counters()
 
-    token, prefill, seconds = _prefill(target, prompt, settings, generator)
+    token, prefill, seconds = _prefill(target, prompt, settings, generator, with_hidden=False)
     logits = prefill.logits[-1]
     counters.prefill_seconds += seconds
     counters.target_passes += 1
@@ -274,7 +278,7 @@ def plain_decode(
             return
         round_index += 1
         start = now(device)
-        logits = target.run(torch.tensor([token]), all_logits=False).logits[-1]
+        logits = target.run(torch.tensor([token]), all_logits=False, with_hidden=False).logits[-1]
         token = choose_token(logits, settings.sampling, generator)
         seconds = now(device) - start
         counters.verify_seconds += seconds

@@ -32,7 +32,11 @@ class CausalLM(Protocol):
     def reset(self) -> None: ...
 
     def run(
-        self, input_ids: torch.Tensor, all_logits: bool = True, parents: Sequence[int] | None = None
+        self,
+        input_ids: torch.Tensor,
+        all_logits: bool = True,
+        parents: Sequence[int] | None = None,
+        with_hidden: bool = True,
     ) -> TargetPass: ...
 
     def keep(self, num_new: int, rows: Sequence[int]) -> None: ...
@@ -101,9 +105,14 @@ class CachedLM:
 
     @torch.inference_mode()
     def run(
-        self, input_ids: torch.Tensor, all_logits: bool = True, parents: Sequence[int] | None = None
+        self,
+        input_ids: torch.Tensor,
+        all_logits: bool = True,
+        parents: Sequence[int] | None = None,
+        with_hidden: bool = True,
     ) -> TargetPass:
-        """One pass over ``input_ids`` after the cached sequence, returning logits and final hidden states.
+        """One pass over ``input_ids`` after the cached sequence, returning logits and (``with_hidden``) the final
+        hidden states; the plain baseline asks for none, so it does exactly what ``generate`` does.
 
         ``parents``: the new tokens form a tree (``parents[i]`` is the index of token i's parent among the new
         tokens, -1 for a token that follows the cached sequence): each token attends to the cache and its own
@@ -124,11 +133,11 @@ class CachedLM:
             cache=self.cache,
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
-            output_hidden_states=True,
+            output_hidden_states=with_hidden,
             **extra,
         )
         self.length += int(ids.shape[1])
-        hidden = out.hidden_states[-1][0] if out.hidden_states is not None else None
+        hidden = out.hidden_states[-1][0] if with_hidden and out.hidden_states is not None else None
         if hidden is not None and not all_logits:
             hidden = hidden[-1:]
         return TargetPass(out.logits[0], hidden)

@@ -125,9 +125,9 @@ def test_cache_is_rolled_back_not_rebuilt():
     calls = []
     original = lm.run
 
-    def spy(ids, all_logits=True, parents=None):
+    def spy(ids, all_logits=True, parents=None, with_hidden=True):
         calls.append(int(ids.numel()))
-        return original(ids, all_logits, parents)
+        return original(ids, all_logits, parents, with_hidden)
 
     lm.run = spy
     drafter = DraftModelDrafter(llama(77, layers=1), GREEDY, VOCAB)
