@@ -95,7 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     race.add_argument("--pair", metavar="KEY", help="pair preset (default: the offline pair if installed)")
     race.add_argument("--target", help="target model: offline:NAME, Hub id, local folder or .gguf file")
     race.add_argument("--draft", help="draft model (same sources as --target)")
-    race.add_argument("--mode", default="draft", help="speculative mode: draft, ngram or uag (default draft)")
+    race.add_argument(
+        "--mode", default="draft", help="speculative mode: draft, ngram, uag, medusa or medusa-chain (default draft)"
+    )
+    race.add_argument("--medusa-heads", help="Medusa heads folder (default: the offline target's shipped heads)")
     race.add_argument("--num-draft-tokens", "--draft-tokens", dest="draft_tokens", default="adaptive", metavar="K",
                       help="k, 'adaptive' (cost-aware) or 'heuristic' (+2/-1)")
     race.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
@@ -146,7 +149,10 @@ def race_log(args: argparse.Namespace, show_progress: bool) -> RaceLog:
             raise InputError(f"cannot read the prompt file {args.prompt_file}: {error}") from None
     else:
         prompt = args.prompt
-    config = AppConfig(pair=args.pair, device=args.device, dtype=args.dtype, max_new_tokens_limit=32768)
+    config = AppConfig(
+        pair=args.pair, device=args.device, dtype=args.dtype, max_new_tokens_limit=32768,
+        medusa_heads=args.medusa_heads,
+    )
     racer = Racer(config)
     request = RaceRequest(
         prompt,
