@@ -256,6 +256,26 @@ def int8_head(model: PreTrainedModel) -> torch.nn.Module | None:
     return quantized
 
 
+def head_token_ids(head_tokens: int, vocab_size: int, prompt_ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """The token ids a restricted LM head scores: the lowest ``head_tokens`` ids (the earliest BPE merges, i.e. the
+    most frequent tokens), every prompt id and the EOS ids, all below ``vocab_size``, ascending."""
+    extra = {int(t) for t in prompt_ids} | {int(t) for t in eos_ids}
+    return sorted(set(range(min(head_tokens, vocab_size))) | {t for t in extra if 0 <= t < vocab_size})
+
+
+def to_target_vocab(probs: torch.Tensor, id_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """A probability row over a restricted head's ids (``id_map``; None = the head's own leading ids) spread onto
+    the target's ``vocab_size`` ids, zero elsewhere."""
+    full = torch.zeros(vocab_size, dtype=probs.dtype, device=probs.device)
+    if id_map is None:
+        width = min(probs.shape[0], vocab_size)
+        full[:width] = probs[:width]
+    else:
+        inside = id_map < vocab_size
+        full[id_map[inside]] = probs[inside]
+    return full
+
+
 def _auto_head_tokens(vocab_size: int) -> int:
     """How many of the most frequent token ids the draft head scores by default (0 = the whole vocabulary)."""
     return 32768 if vocab_size > 65536 else 0
@@ -326,9 +346,8 @@ class DraftModelDrafter:
             if self.head_tokens >= draft_vocab:
                 self._sub_ids = None
                 return
-            extra = {int(t) for t in prompt_ids} | set(self.eos_token_ids)
             usable = min(draft_vocab, self.target_vocab_size)
-            ids = sorted(set(range(min(self.head_tokens, usable))) | {t for t in extra if 0 <= t < usable})
+            ids = head_token_ids(self.head_tokens, usable, prompt_ids, self.eos_token_ids)
             self._sub_ids = torch.tensor(ids, dtype=torch.long, device=self.lm.device)
             with torch.inference_mode():
                 weight = self._head_weight.index_select(0, self._sub_ids)
@@ -399,7 +418,7 @@ class DraftModelDrafter:
                 choice = int(torch.multinomial(probs, 1, generator=self.generator).item())
                 if self.confidence_stop > 0.0 and step > 0 and float(probs[choice]) < self.confidence_stop:
                     break
-                prob_rows.append(self._to_target_vocab(probs, id_map))
+                prob_rows.append(to_target_vocab(probs, id_map, self.target_vocab_size))
             token = choice if id_map is None else int(id_map[choice])
             tokens.append(token)
             if step + 1 < max_tokens:
@@ -407,16 +426,6 @@ class DraftModelDrafter:
                 self._cached_ids.append(token)
         draft_probs = torch.stack(prob_rows) if prob_rows else None
         return Proposal(tokens, draft_probs, catch_up_seconds)
-
-    def _to_target_vocab(self, probs: torch.Tensor, id_map: torch.Tensor | None) -> torch.Tensor:
-        full = torch.zeros(self.target_vocab_size, dtype=probs.dtype, device=probs.device)
-        if id_map is None:
-            width = min(probs.shape[0], self.target_vocab_size)
-            full[:width] = probs[:width]
-        else:
-            inside = id_map < self.target_vocab_size
-            full[id_map[inside]] = probs[inside]
-        return full
 
     def feedback(self, result: RoundResult) -> None:
         pass

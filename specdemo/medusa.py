@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .drafters import Proposal, RoundResult
+from .drafters import Proposal, RoundResult, head_token_ids, to_target_vocab
 from .lm import TargetPass
 from .sampling import SamplingSettings, target_distribution
 
@@ -346,8 +346,7 @@ class MedusaDrafter:
         vocab = self.target_vocab_size
         self._token_ids = None
         if self.head_tokens and self.head_tokens < vocab:
-            extra = {int(t) for t in prompt_ids} | set(self.eos_token_ids)
-            ids = sorted(set(range(self.head_tokens)) | {t for t in extra if 0 <= t < vocab})
+            ids = head_token_ids(self.head_tokens, vocab, prompt_ids, self.eos_token_ids)
             self._token_ids = torch.tensor(ids, dtype=torch.long, device=device)
         self._weight = None
         if self.heads.lm_heads is None:
@@ -386,12 +385,7 @@ class MedusaDrafter:
             probs = target_distribution(head_logits, self.sampling)
             choice = torch.multinomial(probs, 1, generator=self.generator)
             tokens.append(int(self._vocab_id(choice)[0]))
-            full = torch.zeros(self.target_vocab_size, dtype=probs.dtype, device=probs.device)
-            if self._token_ids is None:
-                full[: probs.shape[0]] = probs[: self.target_vocab_size]
-            else:
-                full[self._token_ids] = probs
-            rows.append(full)
+            rows.append(to_target_vocab(probs, self._token_ids, self.target_vocab_size))
         return Proposal(tokens, torch.stack(rows))
 
     def _tree_size(self, scores: list[float]) -> int:
