@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
@@ -10,6 +12,18 @@ if TYPE_CHECKING:
     from .calibration import CostCurve
 
 logger = logging.getLogger(__name__)
+
+#: per-token acceptance of a good drafter, and the gain over plain decoding it must bring, for drafting to count as
+#: able to pay on a cost curve (see :meth:`CostAwareDraftLength.drafting_could_pay`)
+GOOD_ACCEPTANCE = 0.8
+PAYING_MARGIN = 1.1
+#: where drafting can hardly pay, the share of plain-decoding time that probes (with the drafter's catch-up) may cost
+PROBE_BUDGET = 0.015
+#: the gain a switch between drafting and plain decoding must promise
+SWITCH_MARGIN = 0.03
+#: a verify length's cost (and the draft's cost per token) is a low quantile of its latest measurements: slow
+#: outliers (another process, a page fault) cannot move it, and there are no fast ones
+RECENT_PASSES = 5
 
 
 class DraftLengthPolicy(Protocol):
@@ -54,6 +68,14 @@ class HeuristicDraftLength:
         self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(self.k_min, self.k - 1)
 
 
+def _theil_sen(points: list[tuple[int, float]], length: int) -> float:
+    """The Theil-Sen line through ``points`` (length, seconds) at ``length``: the median of the pairwise slopes
+    (never negative), then the median intercept; one outlier among three or more points barely moves it."""
+    slopes = [(t2 - t1) / (n2 - n1) for i, (n1, t1) in enumerate(points) for n2, t2 in points[i + 1 :] if n2 != n1]
+    slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    return statistics.median(t - slope * n for n, t in points) + slope * length
+
+
 def expected_tokens(acceptance_at: Sequence[float], k: int) -> float:
     """Expected tokens from one verify pass with k drafts: 1 + sum over j <= k of P(the first j drafts accepted).
 
@@ -76,12 +98,17 @@ class CostAwareDraftLength:
 
     Tokens per round with k drafts: E(k) = 1 + sum_j P(first j accepted), from a per-position acceptance estimate
     (see :func:`expected_tokens`). Cost of a round: k * t_draft + t_verify(k + 1), with t_verify fitted to the verify
-    passes measured so far (see :meth:`_verify_cost`) and t_draft the
-    measured draft time per token. k = 0 is a plain target step, so when drafts keep being rejected the policy falls
-    back to (nearly) plain decoding; it still probes a one-token draft now and then so that it notices when drafting
-    starts to pay again: after ``probe_every`` plain steps, and twice as many after each probe that was rejected (up
-    to ``max_probe_every``), since a probe costs a draft step plus whatever the drafter must catch up on. Acceptance
-    estimates are exponentially weighted, so the policy follows the text.
+    passes measured so far (see :meth:`_verify_cost`) and t_draft the measured draft time per token. Each timing is
+    a low quantile of its latest measurements, so a few slow passes (another process) cannot tip a decision, and a
+    switch between drafting and plain steps must promise ``SWITCH_MARGIN`` more (flip-flopping costs catch-ups).
+    k = 0 is a plain target step, so when drafts keep being rejected the policy falls back to (nearly) plain
+    decoding; it still probes a one-token draft now and then so that it notices when drafting starts to pay again:
+    after ``probe_every`` plain steps, twice as many after each probe that did not bring drafting back (up to
+    ``max_probe_every``), since a probe costs a draft step plus whatever the drafter must catch up on. Where the
+    costs say drafting could hardly pay even at a good acceptance (a verify pass over k tokens costs nearly k plain
+    steps), probes come only while their expected cost fits in ``PROBE_BUDGET`` of the plain-decoding time, and
+    the first round drafts a single token. Acceptance estimates are exponentially weighted, so the policy follows
+    the text.
 
     ``prior``: the machine's measured cost curve (:mod:`specdemo.calibration`): its verify costs (and
     ``draft_seconds_per_token``) count as one measurement each, so the first decisions rest on this machine's costs
@@ -114,17 +141,22 @@ class CostAwareDraftLength:
         self._tested_at = [0.0] * k_max  # per draft position: (weighted) rounds in which it was checked
         self._passed_at = [0.0] * k_max  # ... and accepted
         self._draft_time_per_token: float | None = None
-        self._verify_time: dict[int, float] = {}  # verify input length -> EMA seconds
-        self._verify_samples: dict[int, float] = {}  # verify input length -> weight of its measurements (capped)
+        self._verify_time: dict[int, float] = {}  # verify input length -> estimated seconds
+        self._verify_recent: dict[int, deque[float]] = {}  # verify input length -> its latest passes
+        self._draft_recent: deque[float] = deque(maxlen=RECENT_PASSES)  # latest draft seconds per token
         self._rounds = 0
         self._rounds_since_draft = 0
+        self._plain_seconds_since_draft = 0.0
+        self._catch_up_per_token: float | None = None  # the drafter's catch-up per plain step it sat out
         self.k = self.k_start
         if prior is not None:
             for length, seconds in zip(prior.lengths, prior.seconds):
                 if length <= k_max + 1:
                     self._verify_time[length] = seconds
-                    self._verify_samples[length] = 1.0
+                    self._verify_recent[length] = deque([seconds], maxlen=RECENT_PASSES)
             self._draft_time_per_token = draft_seconds_per_token
+            if draft_seconds_per_token is not None:
+                self._draft_recent.append(draft_seconds_per_token)
 
     @property
     def acceptance(self) -> float:
@@ -147,39 +179,74 @@ class CostAwareDraftLength:
         """Seconds of a verify pass over ``length`` tokens, from a model fitted to every measured length.
 
         A one-token pass is a plain step and keeps its own measured value (on some hardware any longer pass costs
-        a step more). Longer passes follow a straight line fitted by weighted least squares, so one noisy
-        measurement cannot make a length look much dearer or cheaper than its neighbours.
+        a step more). Longer passes follow a straight line fitted by Theil-Sen (the median of the slopes between
+        measured lengths), so one slow pass at one length cannot make verification look much dearer or cheaper.
         """
         known = self._verify_time
         if length == 1:
             return known[1] if 1 in known else min(known.values())  # not measured yet: no cheaper than any verify
-        points = [(n, t, self._verify_samples[n]) for n, t in known.items() if n >= 2]
+        points = sorted((n, t) for n, t in known.items() if n >= 2)
         if not points:
             return known[1]  # only a plain step measured so far: assume verification costs as much
-        weight = sum(w for _, _, w in points)
-        mean_n = sum(n * w for n, _, w in points) / weight
-        mean_t = sum(t * w for _, t, w in points) / weight
-        spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
-        slope = sum(w * (n - mean_n) * (t - mean_t) for n, t, w in points) / spread if spread > 0 else 0.0
-        slope = max(0.0, slope)
-        return max(1e-9, mean_t + slope * (length - mean_n))
+        if len(points) >= 3:  # a length measured once is held to 1.5 times what the other lengths predict
+            points = [
+                (n, min(t, 1.5 * _theil_sen(points[:i] + points[i + 1 :], n)))
+                if len(self._verify_recent.get(n, ())) == 1 else (n, t)
+                for i, (n, t) in enumerate(points)
+            ]
+        return max(1e-9, _theil_sen(points, length))
+
+    def drafting_could_pay(self, acceptance: float = GOOD_ACCEPTANCE, margin: float = PAYING_MARGIN) -> bool:
+        """Whether drafting at a good acceptance (``acceptance`` per token) would beat plain decoding by ``margin``
+        on the costs known so far. Where it would not (a verify pass over k tokens costs nearly k plain steps), a
+        probe can hardly win anything back, so probes come only within :data:`PROBE_BUDGET` of the plain time."""
+        if self._draft_time_per_token is None or not self._verify_time:
+            return True  # nothing known yet
+        plain_rate = 1.0 / self._verify_cost(1)
+        reachable = 2 * max(self._verify_time)
+        for k in range(1, min(self.k_max, reachable) + 1):
+            cost = k * self._draft_time_per_token + self._verify_cost(k + 1)
+            if expected_tokens([acceptance], k) / cost >= margin * plain_rate:
+                return True
+        return False
+
+    def _probe_fits_budget(self, acceptance: float) -> bool:
+        """A one-token probe's expected extra cost (its draft, the drafter's catch-up on the plain steps since its
+        last round, the longer verify pass, less the token it may win) within ``PROBE_BUDGET`` of the time spent
+        on plain steps since the last draft."""
+        behind = self._rounds_since_draft
+        catch_up = behind * (self._catch_up_per_token if self._catch_up_per_token is not None
+                             else self._draft_time_per_token or 0.0)
+        plain = self._verify_cost(1)
+        extra = (self._draft_time_per_token or 0.0) + catch_up + self._verify_cost(2) - plain * (1.0 + acceptance)
+        return extra <= PROBE_BUDGET * self._plain_seconds_since_draft
 
     def next_length(self) -> int:
         self._rounds += 1
         if self._rounds == 1 or self._draft_time_per_token is None or not self._verify_time:
-            return self.k_start
+            # a first look at acceptance; a single draft token where the prior says drafting can hardly pay
+            return self.k_start if self.drafting_could_pay() else min(1, self.k_start)
         if self._rounds == 2 and self.measure_plain_step and 1 not in self._verify_time:
             return 0  # measure a plain step once: the reference every other length is compared with
         acceptance_at = self.acceptance_at()
         # explore at most twice the longest measured verify: longer ones are extrapolated from measured costs
         reachable = 2 * max(self._verify_time)
-        best_k, best_rate = 0, 1.0 / self._verify_cost(1)
+        # switching between drafting and plain steps must win by SWITCH_MARGIN: a flip back and forth on a noisy
+        # acceptance estimate costs the drafter a catch-up each time
+        drafting_now = self._rounds_since_draft == 0
+        best_k, best_rate = 0, (1.0 - SWITCH_MARGIN * drafting_now) / self._verify_cost(1)
         for k in range(1, min(self.k_max, reachable) + 1):
             cost = k * self._draft_time_per_token + self._verify_cost(k + 1)
-            rate = expected_tokens(acceptance_at, k) / cost
+            rate = (1.0 - SWITCH_MARGIN * (not drafting_now)) * expected_tokens(acceptance_at, k) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        self._probing = best_k == 0 and self._rounds_since_draft >= self._probe_interval
+        if best_k > 0:
+            self._probe_interval = self.probe_every
+        self._probing = (
+            best_k == 0
+            and self._rounds_since_draft >= self._probe_interval
+            and (self.drafting_could_pay() or self._probe_fits_budget(acceptance_at[0]))
+        )
         if self._probing:
             best_k = 1
         self.k = best_k
@@ -189,21 +256,24 @@ class CostAwareDraftLength:
         self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, catch_up_seconds: float = 0.0
     ) -> None:
         length = drafted + 1
-        previous = self._verify_time.get(length)
-        self._verify_time[length] = verify_seconds if previous is None else 0.7 * previous + 0.3 * verify_seconds
-        self._verify_samples[length] = min(self._verify_samples.get(length, 0.0) + 1.0, 5.0)
+        recent = self._verify_recent.setdefault(length, deque(maxlen=RECENT_PASSES))
+        recent.append(verify_seconds)
+        self._verify_time[length] = sorted(recent)[len(recent) // 3]  # slow outliers cannot move it
         if drafted == 0:
             self._rounds_since_draft += 1
+            self._plain_seconds_since_draft += verify_seconds
             return
+        if catch_up_seconds > 0 and self._rounds_since_draft > 0:
+            per_token = catch_up_seconds / self._rounds_since_draft
+            previous = self._catch_up_per_token
+            self._catch_up_per_token = per_token if previous is None else 0.7 * previous + 0.3 * per_token
         self._rounds_since_draft = 0
-        if accepted > 0:
-            self._probe_interval = self.probe_every
-        elif self._probing:
+        self._plain_seconds_since_draft = 0.0
+        if self._probing:  # the pace comes back only when drafting pays again (see next_length)
             self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
         self._probing = False
-        per_token = draft_seconds / drafted
-        previous_draft = self._draft_time_per_token
-        self._draft_time_per_token = per_token if previous_draft is None else 0.7 * previous_draft + 0.3 * per_token
+        self._draft_recent.append(draft_seconds / drafted)
+        self._draft_time_per_token = sorted(self._draft_recent)[len(self._draft_recent) // 3]
         self._accepted = self.decay * self._accepted + accepted
         self._rejections = self.decay * self._rejections + (1.0 if accepted < drafted else 0.0)
         for position in range(self.k_max):

@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from .medusa import MedusaConfig, MedusaHeads
+from .medusa_prompts import training_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class TrainSettings:
     seed: int = 0
     dtype: str = "bfloat16"
     cache_dir: Path | None = None
+    answers: int = 0  # prompts the target answers itself (self-distillation proper); 0 = code corpus only
+    answer_tokens: int = 256
+    generation_batch: int = 32
     extra: dict = field(default_factory=dict)
 
     def corpus_key(self) -> str:
@@ -67,6 +71,14 @@ class TrainSettings:
 
     def cache_path(self) -> Path:
         return self.cache_dir if self.cache_dir is not None else CACHE_ROOT / self.corpus_key()
+
+    def answers_key(self) -> str:
+        keyed = [self.target, self.dtype, self.answers, self.answer_tokens, self.held_out_every, self.seed,
+                 sys.version.split()[0]]
+        return hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:16]
+
+    def answers_path(self) -> Path:
+        return self.cache_path() / f"answers-{self.answers_key()}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,13 +120,7 @@ def build_sequences(tokenizer, settings: TrainSettings) -> tuple[list[dict], lis
         text = path.read_text(encoding="utf-8", errors="replace")
         module = relative[:-3].replace("/", ".")
         user = f"Show me part of the source code of the Python standard library module `{module}`."
-        if getattr(tokenizer, "chat_template", None):
-            header = tokenizer.apply_chat_template(
-                [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        else:
-            header = tokenizer(user + "\n", add_special_tokens=True)["input_ids"]
-        header = list(header) + tokenizer("```python\n", add_special_tokens=False)["input_ids"]
+        header = _chat_header(tokenizer, user) + tokenizer("```python\n", add_special_tokens=False)["input_ids"]
         body = tokenizer(text, add_special_tokens=False)["input_ids"]
         room = settings.sequence_tokens - len(header)
         if room < 16:
@@ -125,6 +131,75 @@ def build_sequences(tokenizer, settings: TrainSettings) -> tuple[list[dict], lis
         start = rng.randrange(0, max(1, len(body) - room))
         bucket.append({"ids": list(header) + list(body[start : start + room]), "answer_start": len(header),
                        "file": relative})
+    return train, held
+
+
+def _chat_header(tokenizer, user: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"])
+    return list(tokenizer(user + "\n", add_special_tokens=True)["input_ids"])
+
+
+@torch.inference_mode()
+def generate_answers(model, tokenizer, settings: TrainSettings, path: Path) -> list[dict]:
+    """The target's own greedy answers to ``settings.answers`` training prompts, generated in batches (left
+    padding) and appended to ``path`` (JSON lines) batch by batch, so a restart carries on where it stopped."""
+    prompts = training_prompts(settings.answers, stdlib_files(), settings.seed)
+    done: dict[int, dict] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                done[row["index"]] = row
+    headers = [_chat_header(tokenizer, prompt.text) for prompt in prompts]
+    # similar prompt lengths share a batch (less padding); the index keeps the seeded order
+    todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: (len(headers[i]), i))
+    eos = model.generation_config.eos_token_id
+    stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        stop_ids.add(tokenizer.eos_token_id)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
+    device = next(model.parameters()).device
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tqdm(total=len(prompts), initial=len(done), desc="target answering training prompts", unit="answer") as bar:
+        for start in range(0, len(todo), settings.generation_batch):
+            batch = todo[start : start + settings.generation_batch]
+            width = max(len(headers[i]) for i in batch)
+            ids = torch.tensor([[pad_id] * (width - len(headers[i])) + headers[i] for i in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(headers[i])) + [1] * len(headers[i]) for i in batch],
+                                device=device)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings.answer_tokens,
+                                 do_sample=False, pad_token_id=pad_id)
+            rows = []
+            for row, i in zip(out[:, width:].tolist(), batch):
+                answer = []
+                for token in row:
+                    answer.append(token)
+                    if token in stop_ids:
+                        break
+                rows.append({"index": i, "kind": prompts[i].kind, "prompt": prompts[i].text, "answer_ids": answer,
+                             "answer": tokenizer.decode(answer, skip_special_tokens=True)})
+            with path.open("a") as handle:
+                for row in rows:
+                    handle.write(json.dumps(row) + "\n")
+                    done[row["index"]] = row
+            bar.update(len(batch))
+    return [done[i] for i in range(len(prompts))]
+
+
+def answer_sequences(tokenizer, answers: list[dict], settings: TrainSettings) -> tuple[list[dict], list[dict]]:
+    """(training, held-out) sequences of prompt + the target's own answer; one prompt in ``held_out_every`` is
+    held out."""
+    train: list[dict] = []
+    held: list[dict] = []
+    for row in answers:
+        if len(row["answer_ids"]) < 8:
+            continue
+        header = _chat_header(tokenizer, row["prompt"])
+        bucket = held if row["index"] % settings.held_out_every == 0 else train
+        bucket.append({"ids": header + row["answer_ids"], "answer_start": len(header), "file": row["kind"]})
     return train, held
 
 
@@ -248,6 +323,24 @@ def train(settings: TrainSettings) -> dict:
     cache_split(model, train_seqs, folder, "train", settings.num_heads)
     cache_split(model, held_seqs, folder, "heldout", settings.num_heads)
     cache_seconds = time.perf_counter() - cache_started
+    answer_seconds = 0.0
+    answer_counts: dict = {}
+    if settings.answers:
+        answer_started = time.perf_counter()
+        answers_folder = settings.answers_path()
+        answers = generate_answers(model, loaded.tokenizer, settings, answers_folder / "answers.jsonl")
+        answer_seconds = time.perf_counter() - answer_started
+        answer_train, answer_held = answer_sequences(loaded.tokenizer, answers, settings)
+        cache_started = time.perf_counter()
+        cache_split(model, answer_train, answers_folder, "train", settings.num_heads)
+        cache_split(model, answer_held, answers_folder, "heldout", settings.num_heads)
+        cache_seconds += time.perf_counter() - cache_started
+        kinds: dict[str, int] = {}
+        for row in answers:
+            kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
+        answer_counts = {"training_sequences": len(answer_train), "held_out_sequences": len(answer_held),
+                         "prompts_per_kind": kinds,
+                         "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in answers) / max(1, len(answers)), 1)}
 
     weight = head_weight[: settings.head_tokens] if settings.head_tokens else head_weight
     weight = weight.float().contiguous()
@@ -257,6 +350,14 @@ def train(settings: TrainSettings) -> dict:
     clear_model_cache()
     hidden, labels = load_split(folder, "train")
     held_hidden, held_labels = load_split(folder, "heldout")
+    code_positions = int(hidden.shape[0])
+    if settings.answers:
+        answer_hidden, answer_labels = load_split(settings.answers_path(), "train")
+        hidden, labels = torch.cat([hidden, answer_hidden]), torch.cat([labels, answer_labels], dim=1)
+        answer_held_hidden, answer_held_labels = load_split(settings.answers_path(), "heldout")
+        answer_counts["training_positions"] = int(answer_hidden.shape[0])
+        answer_counts["held_out_positions"] = int(answer_held_hidden.shape[0])
+        del answer_hidden, answer_labels
     head_labels = labels[: settings.num_heads]  # row k - 1: head k's target
     train_labels = _sub_labels(head_labels, settings.head_tokens)
     valid = head_labels >= 0
@@ -311,6 +412,8 @@ def train(settings: TrainSettings) -> dict:
     train_seconds = time.perf_counter() - train_started
     heads.eval()
     accuracy = evaluate(heads, held_hidden, held_labels, weight)
+    if settings.answers:
+        answer_counts["held_out_top1_per_head"] = evaluate(heads, answer_held_hidden, answer_held_labels, weight)
     report = {
         "command": "python -m specdemo.medusa_train " + " ".join(sys.argv[1:]),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items() if k != "extra"},
@@ -318,15 +421,18 @@ def train(settings: TrainSettings) -> dict:
             "source": f"Python {sys.version.split()[0]} standard library sources (tests, idlelib, lib2to3, "
                       "turtledemo, ensurepip excluded), one chat turn per sequence",
             "training_sequences": len(train_seqs),
-            "training_positions": int(hidden.shape[0]),
+            "training_positions": code_positions,
             "held_out_sequences": len(held_seqs),
             "held_out_positions": int(held_hidden.shape[0]),
             "greedy_tokens_inside_head_subset": round(coverage, 4),
         },
-        "seconds": {"cache": round(cache_seconds, 1), "train": round(train_seconds, 1),
+        "answers": answer_counts or None,
+        "seconds": {"cache": round(cache_seconds, 1), "answers": round(answer_seconds, 1),
+                    "train": round(train_seconds, 1),
                     "total": round(time.perf_counter() - started, 1)},
         "last_train_loss_per_head": [round(v, 4) for v in last_losses],
-        "held_out_top1_per_head": accuracy,
+        "held_out_top1_per_head": accuracy,  # on the held-out standard-library files
+        "answers_held_out_top1_per_head": answer_counts.get("held_out_top1_per_head"),
         "torch_threads": torch.get_num_threads(),
     }
     report.update(settings.extra)
@@ -337,7 +443,7 @@ def train(settings: TrainSettings) -> dict:
 
 
 def _train_key(settings: TrainSettings) -> list:
-    return [settings.corpus_key(), settings.num_heads, settings.head_tokens, settings.epochs, settings.batch_size,
+    return [settings.corpus_key(), settings.answers_key() if settings.answers else None, settings.num_heads, settings.head_tokens, settings.epochs, settings.batch_size,
             settings.learning_rate, settings.loss_decay]
 
 
@@ -357,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--dtype", default=defaults.dtype)
     parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument("--answers", type=int, default=defaults.answers,
+                        help="training prompts the target answers itself; its answers join the corpus (0 = none)")
+    parser.add_argument("--answer-tokens", type=int, default=defaults.answer_tokens,
+                        help="longest answer the target writes per prompt")
+    parser.add_argument("--generation-batch", type=int, default=defaults.generation_batch,
+                        help="prompts the target answers in one batch")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = TrainSettings(**{k: v for k, v in vars(args).items()})

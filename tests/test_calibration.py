@@ -4,6 +4,7 @@ classes (native bfloat16, and AVX2 only, where a bfloat16 pass over k tokens cos
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -160,10 +161,10 @@ class PlainOnly:
         pass
 
 
-def best_fixed(cost_curve: CostCurve, alpha: float) -> float:
+def best_fixed(cost_curve: CostCurve, alpha: float, seed: int = 0) -> float:
     from specdemo.draft_length import FixedDraftLength
 
-    return max(simulate(FixedDraftLength(k), cost_curve, alpha) for k in range(1, 13))
+    return max(simulate(FixedDraftLength(k), cost_curve, alpha, seed=seed) for k in range(1, 13))
 
 
 @pytest.mark.parametrize("cost_curve", [NATIVE_BF16, AVX2_INT8], ids=["native-bf16", "avx2-int8"])
@@ -171,20 +172,18 @@ def best_fixed(cost_curve: CostCurve, alpha: float) -> float:
 def test_where_verification_is_cheap_the_adaptive_policy_keeps_up_with_the_best_fixed_length(
     cost_curve: CostCurve, alpha: float
 ) -> None:
-    """Within 8 % of the best of plain decoding and every fixed draft length (seeded simulation), starting from
-    the calibrated curve or from nothing."""
+    """Within 8 % of the best of plain decoding and every fixed draft length starting from the calibrated curve,
+    within 5 % starting from nothing, judged on the median of three seeded runs (none of them more than 10 % off)."""
     from specdemo.draft_length import make_policy
 
-    best = max(best_fixed(cost_curve, alpha), simulate(PlainOnly(), cost_curve, alpha))
-    assert simulate(make_policy("adaptive", prior=cost_curve), cost_curve, alpha) >= 0.92 * best
-    assert simulate(make_policy("adaptive"), cost_curve, alpha) >= 0.95 * best
+    for prior, tolerance in ((cost_curve, 0.92), (None, 0.95)):
+        ratios = []
+        for seed in range(3):
+            best = max(best_fixed(cost_curve, alpha, seed), simulate(PlainOnly(), cost_curve, alpha, seed=seed))
+            ratios.append(simulate(make_policy("adaptive", prior=prior), cost_curve, alpha, seed=seed) / best)
+        assert statistics.median(ratios) >= tolerance and min(ratios) >= 0.9, (prior is not None, ratios)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (issue 9): where a verify pass costs nearly k one-token passes, probes and their drafts cost "
-    "the adaptive policy 10-25 % against plain decoding instead of at most 2 %",
-)
 @pytest.mark.parametrize(
     "cost_curve", [AVX2_BF16, curve(AVX2, 0.1, [1.0, 2.0, 4.0, 8.0, 16.0], draft=0.03)], ids=["avx2-bf16", "linear"]
 )
@@ -193,9 +192,28 @@ def test_where_verification_is_dear_plain_decoding_costs_at_most_two_percent_mor
     the drafter's catch-up) costing at most 2 % of the run."""
     from specdemo.draft_length import make_policy
 
-    plain = simulate(PlainOnly(), cost_curve, 0.5)
-    adaptive = simulate(make_policy("adaptive", prior=cost_curve), cost_curve, 0.5)
-    assert adaptive >= 0.98 * plain, (adaptive, plain)
+    for seed in range(3):
+        plain = simulate(PlainOnly(), cost_curve, 0.5, seed=seed)
+        adaptive = simulate(make_policy("adaptive", prior=cost_curve), cost_curve, 0.5, seed=seed)
+        assert adaptive >= 0.98 * plain, (seed, adaptive, plain)
+
+
+def test_the_policy_knows_where_drafting_can_pay_and_shrugs_off_slow_outliers() -> None:
+    from specdemo.draft_length import CostAwareDraftLength
+
+    assert not CostAwareDraftLength(prior=AVX2_BF16, draft_seconds_per_token=0.03).drafting_could_pay()
+    for cheap in (NATIVE_BF16, AVX2_INT8):
+        assert CostAwareDraftLength(prior=cheap, draft_seconds_per_token=0.03).drafting_could_pay()
+    # where it cannot pay, the first look at acceptance is a single draft token
+    assert CostAwareDraftLength(prior=AVX2_BF16, draft_seconds_per_token=0.03).next_length() == 1
+    assert CostAwareDraftLength(prior=NATIVE_BF16, draft_seconds_per_token=0.03).next_length() == 4
+    # three slow plain steps in a row (another process) do not make drafting look worth it on a dear curve
+    policy = CostAwareDraftLength(prior=AVX2_BF16, draft_seconds_per_token=0.03)
+    policy.update(policy.next_length(), 0, 0.03, 0.31)
+    for seconds in (0.18, 0.17, 0.55, 0.6, 0.58, 0.18):
+        assert policy.next_length() == 0
+        policy.update(0, 0, 0.0, seconds)
+    assert policy._verify_cost(1) < 0.2
 
 
 def test_the_drafter_books_its_catch_up_apart() -> None:

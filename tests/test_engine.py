@@ -187,7 +187,7 @@ def test_adaptive_policy_goes_long_for_free_all_or_nothing_drafts():
 
 def test_adaptive_policy_backs_off_probes_that_keep_failing():
     policy = CostAwareDraftLength()
-    policy.update(4, 0, 0.4, 0.1)
+    policy.update(4, 0, 0.2, 0.1)
     policy.update(0, 0, 0.0, 0.1)
     policy._rounds = 2
     probes = []
@@ -195,11 +195,12 @@ def test_adaptive_policy_backs_off_probes_that_keep_failing():
         k = policy.next_length()
         if k:
             probes.append(round_index)
-        policy.update(k, 0, 0.1 * k, 0.1)  # expensive drafts, always rejected
+        policy.update(k, 0, 0.05 * k, 0.1)  # drafts that would pay if accepted (free verification), never are
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps[:4] == [17, 33, 65, 65]  # 8, 16, 32, then at most 64 plain steps between probes (+1: the probe)
-    policy.update(1, 1, 0.1, 0.1)  # an accepted draft: probing comes back to its normal pace
-    assert policy._probe_interval == policy.probe_every
+    for _ in range(6):  # drafts accepted whole: drafting pays again, and probing comes back to its normal pace
+        policy.update(4, 4, 0.2, 0.1)
+    assert policy.next_length() > 0 and policy._probe_interval == policy.probe_every
 
 
 def test_verify_cost_fit_shrugs_off_one_noisy_length():

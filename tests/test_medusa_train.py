@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from specdemo.medusa import load_heads
+from specdemo.medusa_prompts import training_prompts
 from specdemo.medusa_train import TrainSettings, labels_for, stdlib_files, train
 
-from tiny import save_tiny_pair
+from tiny import reference_greedy, save_tiny_pair
 
 
 def test_labels_are_the_targets_own_greedy_tokens_further_ahead():
@@ -49,3 +50,46 @@ def test_training_writes_loadable_heads_with_provenance_and_restarts_from_its_ca
     again = train(settings)
     assert {path: path.stat().st_mtime_ns for path in (tmp_path / "cache").glob("*.pt")} == cached
     assert again["weights_sha256"] == report["weights_sha256"]
+
+
+def test_training_prompts_mix_every_kind_from_offline_material_and_are_seeded():
+    files = stdlib_files()
+    prompts = training_prompts(70, files, seed=3)
+    assert len(prompts) == 70 and len({p.text for p in prompts}) == 70
+    kinds = {p.kind for p in prompts}
+    assert kinds == {"code editing", "code writing", "math", "question", "summary", "translation", "writing"}
+    assert all(sum(p.kind == kind for p in prompts) == 10 for kind in kinds)
+    assert training_prompts(70, files, seed=3) == prompts
+    assert training_prompts(70, files, seed=4) != prompts
+    edited = next(p.text for p in prompts if p.kind == "code editing")
+    assert "```python\ndef " in edited  # a whole function, its first line dedented like the rest
+
+
+def test_the_target_answers_prompts_itself_and_its_answers_join_the_corpus(tmp_path):
+    target, _ = save_tiny_pair(tmp_path / "pair")
+    settings = TrainSettings(
+        target=target, out=tmp_path / "heads", num_heads=2, head_tokens=0, sequences=2, sequence_tokens=256,
+        held_out_sequences=1, epochs=1, batch_size=64, dtype="float32", cache_dir=tmp_path / "cache",
+        answers=12, answer_tokens=24, generation_batch=5, held_out_every=4,
+    )
+    report = train(settings)
+    rows = [json.loads(line) for line in (settings.answers_path() / "answers.jsonl").read_text().splitlines()]
+    assert sorted(r["index"] for r in rows) == list(range(12))
+    # each answer is the target's own greedy continuation of its prompt, batched with left padding or not
+    from specdemo.models import LoadSettings, load_model
+
+    loaded = load_model(target, LoadSettings(dtype="float32"))
+    for row in rows[:3]:
+        header = loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        alone = reference_greedy(loaded.model, list(header), 24, eos=[loaded.tokenizer.eos_token_id])
+        assert row["answer_ids"] == alone
+    answers = report["answers"]
+    assert answers["training_sequences"] + answers["held_out_sequences"] <= 12
+    assert answers["held_out_sequences"] == sum(1 for r in rows if r["index"] % 4 == 0 and len(r["answer_ids"]) >= 8)
+    assert len(report["answers_held_out_top1_per_head"]) == 2
+    # a rerun generates nothing again
+    before = (settings.answers_path() / "answers.jsonl").stat().st_mtime_ns
+    train(settings)
+    assert (settings.answers_path() / "answers.jsonl").stat().st_mtime_ns == before
