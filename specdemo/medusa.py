@@ -35,7 +35,7 @@ WEIGHTS_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
     "qwen2.5-coder-1.5b": (
         Path(__file__).parent / "data" / "medusa" / "qwen2.5-coder-1.5b",
-        "5bda2d95eda45df56049e423a605f4b6476ed390b7452ca1e365439e54e013e8",
+        "9802afabf635fe464379397be83dfda1a07641f72e14e2168248b383eb2e13ff",
     ),
 }
 

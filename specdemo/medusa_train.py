@@ -4,6 +4,10 @@
    ``pydoc_data``, the language reference's prose), which every machine with Python has offline. Each sequence is
    one chat turn: a user asks for a part of a module, the assistant's answer is that part of the file. Files are
    split into training and held-out sets by a hash of their path. The benchmark prompt files are never read.
+   With ``--answers N`` the target also answers N chat prompts built offline (:mod:`specdemo.medusa_prompts`:
+   explanations, code writing and editing, summaries, translations, arithmetic, short writing) greedily, in
+   batches, and its own answers join the corpus (self-distillation proper; one prompt in ``held_out_every`` is held
+   out). Answers are written to disk batch by batch, so a restart carries on.
 2. Cache: the frozen target runs once over every sequence with teacher forcing; its final (post-norm) hidden state
    and its own greedy next token at every position of the answer are stored on disk in shards (a restart resumes
    where the cache stopped).
@@ -340,7 +344,8 @@ def train(settings: TrainSettings) -> dict:
             kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
         answer_counts = {"training_sequences": len(answer_train), "held_out_sequences": len(answer_held),
                          "prompts_per_kind": kinds,
-                         "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in answers) / max(1, len(answers)), 1)}
+                         "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in answers) / max(1, len(answers)),
+                                                     1)}
 
     weight = head_weight[: settings.head_tokens] if settings.head_tokens else head_weight
     weight = weight.float().contiguous()
@@ -419,7 +424,9 @@ def train(settings: TrainSettings) -> dict:
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items() if k != "extra"},
         "corpus": {
             "source": f"Python {sys.version.split()[0]} standard library sources (tests, idlelib, lib2to3, "
-                      "turtledemo, ensurepip excluded), one chat turn per sequence",
+                      "turtledemo, ensurepip excluded), one chat turn per sequence"
+                      + (f", and the target's own greedy answers to {settings.answers} training prompts"
+                         if settings.answers else ""),
             "training_sequences": len(train_seqs),
             "training_positions": code_positions,
             "held_out_sequences": len(held_seqs),
@@ -443,7 +450,8 @@ def train(settings: TrainSettings) -> dict:
 
 
 def _train_key(settings: TrainSettings) -> list:
-    return [settings.corpus_key(), settings.answers_key() if settings.answers else None, settings.num_heads, settings.head_tokens, settings.epochs, settings.batch_size,
+    return [settings.corpus_key(), settings.answers_key() if settings.answers else None, settings.num_heads,
+            settings.head_tokens, settings.epochs, settings.batch_size,
             settings.learning_rate, settings.loss_decay]
 
 
