@@ -68,6 +68,11 @@ class HeuristicDraftLength:
         self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(self.k_min, self.k - 1)
 
 
+def _low_quantile(recent: Sequence[float]) -> float:
+    """The timing a run of measurements stands for: the lower third of them (see :data:`RECENT_PASSES`)."""
+    return sorted(recent)[len(recent) // 3]
+
+
 def _theil_sen(points: list[tuple[int, float]], length: int) -> float:
     """The Theil-Sen line through ``points`` (length, seconds) at ``length``: the median of the pairwise slopes
     (never negative), then the median intercept; one outlier among three or more points barely moves it."""
@@ -258,7 +263,7 @@ class CostAwareDraftLength:
         length = drafted + 1
         recent = self._verify_recent.setdefault(length, deque(maxlen=RECENT_PASSES))
         recent.append(verify_seconds)
-        self._verify_time[length] = sorted(recent)[len(recent) // 3]  # slow outliers cannot move it
+        self._verify_time[length] = _low_quantile(recent)
         if drafted == 0:
             self._rounds_since_draft += 1
             self._plain_seconds_since_draft += verify_seconds
@@ -273,7 +278,7 @@ class CostAwareDraftLength:
             self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
         self._probing = False
         self._draft_recent.append(draft_seconds / drafted)
-        self._draft_time_per_token = sorted(self._draft_recent)[len(self._draft_recent) // 3]
+        self._draft_time_per_token = _low_quantile(self._draft_recent)
         self._accepted = self.decay * self._accepted + accepted
         self._rejections = self.decay * self._rejections + (1.0 if accepted < drafted else 0.0)
         for position in range(self.k_max):

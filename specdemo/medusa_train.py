@@ -29,14 +29,19 @@ import random
 import sys
 import sysconfig
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from .medusa import MedusaConfig, MedusaHeads
 from .medusa_prompts import training_prompts
+
+if TYPE_CHECKING:
+    from .models import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +152,10 @@ def _chat_header(tokenizer, user: str) -> list[int]:
 
 
 @torch.inference_mode()
-def generate_answers(model, tokenizer, settings: TrainSettings, path: Path) -> list[dict]:
+def generate_answers(loaded: LoadedModel, settings: TrainSettings, path: Path) -> list[dict]:
     """The target's own greedy answers to ``settings.answers`` training prompts, generated in batches (left
     padding) and appended to ``path`` (JSON lines) batch by batch, so a restart carries on where it stopped."""
+    model, tokenizer = loaded.model, loaded.tokenizer
     prompts = training_prompts(settings.answers, stdlib_files(), settings.seed)
     done: dict[int, dict] = {}
     if path.is_file():
@@ -160,10 +166,7 @@ def generate_answers(model, tokenizer, settings: TrainSettings, path: Path) -> l
     headers = [_chat_header(tokenizer, prompt.text) for prompt in prompts]
     # similar prompt lengths share a batch (less padding); the index keeps the seeded order
     todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: (len(headers[i]), i))
-    eos = model.generation_config.eos_token_id
-    stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        stop_ids.add(tokenizer.eos_token_id)
+    stop_ids = set(loaded.eos_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
     device = next(model.parameters()).device
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -332,18 +335,15 @@ def train(settings: TrainSettings) -> dict:
     if settings.answers:
         answer_started = time.perf_counter()
         answers_folder = settings.answers_path()
-        answers = generate_answers(model, loaded.tokenizer, settings, answers_folder / "answers.jsonl")
+        answers = generate_answers(loaded, settings, answers_folder / "answers.jsonl")
         answer_seconds = time.perf_counter() - answer_started
         answer_train, answer_held = answer_sequences(loaded.tokenizer, answers, settings)
         cache_started = time.perf_counter()
         cache_split(model, answer_train, answers_folder, "train", settings.num_heads)
         cache_split(model, answer_held, answers_folder, "heldout", settings.num_heads)
         cache_seconds += time.perf_counter() - cache_started
-        kinds: dict[str, int] = {}
-        for row in answers:
-            kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
         answer_counts = {"training_sequences": len(answer_train), "held_out_sequences": len(answer_held),
-                         "prompts_per_kind": kinds,
+                         "prompts_per_kind": dict(Counter(row["kind"] for row in answers)),
                          "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in answers) / max(1, len(answers)),
                                                      1)}
 
@@ -438,8 +438,7 @@ def train(settings: TrainSettings) -> dict:
                     "train": round(train_seconds, 1),
                     "total": round(time.perf_counter() - started, 1)},
         "last_train_loss_per_head": [round(v, 4) for v in last_losses],
-        "held_out_top1_per_head": accuracy,  # on the held-out standard-library files
-        "answers_held_out_top1_per_head": answer_counts.get("held_out_top1_per_head"),
+        "held_out_top1_per_head": accuracy,  # on the held-out standard-library files (answers: under "answers")
         "torch_threads": torch.get_num_threads(),
     }
     report.update(settings.extra)

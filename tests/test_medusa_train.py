@@ -88,7 +88,7 @@ def test_the_target_answers_prompts_itself_and_its_answers_join_the_corpus(tmp_p
     answers = report["answers"]
     assert answers["training_sequences"] + answers["held_out_sequences"] <= 12
     assert answers["held_out_sequences"] == sum(1 for r in rows if r["index"] % 4 == 0 and len(r["answer_ids"]) >= 8)
-    assert len(report["answers_held_out_top1_per_head"]) == 2
+    assert len(answers["held_out_top1_per_head"]) == 2
     # a rerun generates nothing again
     before = (settings.answers_path() / "answers.jsonl").stat().st_mtime_ns
     train(settings)
