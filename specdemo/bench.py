@@ -26,7 +26,7 @@ from .drafters import NGRAM_PREFERENCES
 from .engine import Counters, GenerationSettings, RoundEvent, collect
 from .lm import now
 from .metrics import compare, run_metrics
-from .models import LoadedModel, LoadSettings, ModelLoadError, load_model
+from .models import LoadedModel, LoadSettings, ModelLoadError, draft_dtype, load_model
 from .offline import OfflinePackError
 from .pipeline import (
     MEDUSA_MODES,
@@ -438,7 +438,7 @@ def environment(target: LoadedModel) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "device": str(target.device),
-        "dtype": str(target.dtype).replace("torch.", ""),
+        "dtype": target.format,
         "cpu_threads": torch.get_num_threads(),
         "machine": platform.machine(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -481,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32")
+    parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32, int8 (CPU: int8 weights, bfloat16 activations)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
     parser.add_argument("--load-in", choices=["4bit", "8bit"], help="bitsandbytes quantisation of the target (CUDA)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up runs of every mode before timing")
@@ -544,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         spec.validate()
         SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed).validate()
-        load = LoadSettings(dtype=args.dtype, device=args.device)
+        load = LoadSettings(dtype=draft_dtype(args.dtype), device=args.device)
         target = load_model(target_source, LoadSettings(dtype=args.dtype, device=args.device, quantization=args.load_in), progress=not args.quiet)
         if any(m in MEDUSA_MODES for m in modes):
             medusa_heads(target, args.medusa_heads)  # missing or misfit heads: one line before any run
@@ -564,7 +564,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             top_p=args.top_p,
             top_k=args.top_k,
             seed=args.seed,
-            dtype=str(target.dtype).replace("torch.", ""),
+            dtype=target.format,
             device=str(target.device),
             warmup=args.warmup,
             repeats=args.repeats,

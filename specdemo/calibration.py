@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .formats import output_rows
 from .lm import CachedLM, now
 from .models import LoadedModel
 from .offline import cache_home
@@ -244,7 +245,7 @@ def _draft_step_seconds(
     from .models import same_tokenizer
     from .sampling import SamplingSettings
 
-    vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
+    vocab_size = int(output_rows(target.model))
     shared = target.tokenizer is not None and draft.tokenizer is not None
     if shared and same_tokenizer(target.tokenizer, draft.tokenizer):
         prefix = torch.randint(0, vocab_size, (prefix_tokens,), generator=generator).tolist()
@@ -287,7 +288,7 @@ def measure(
     """
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
-    vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
+    vocab_size = int(output_rows(target.model))
     lm = CachedLM(target.model)
     lm.reset()
     lm.forward(torch.randint(0, vocab_size, (prefix_tokens,), generator=generator), all_logits=False)
@@ -299,7 +300,7 @@ def measure(
     return CostCurve(
         hardware=detect_hardware(target.device),
         target=target.source,
-        dtype=str(target.dtype).replace("torch.", ""),
+        dtype=target.format,
         prefix_tokens=prefix_tokens,
         lengths=list(lengths),
         seconds=seconds,
@@ -320,7 +321,7 @@ def cache_path(
             "version": CALIBRATION_VERSION,
             "hardware": [hardware.device, hardware.name, list(hardware.flags), hardware.threads, hardware.torch],
             "target": target.source,
-            "dtype": str(target.dtype),
+            "dtype": target.format,
             "quantization": target.settings.quantization if target.settings else None,
             "draft": None if draft is None else [draft.source, str(draft.dtype), draft_int8],
             "node": platform.node(),
@@ -349,7 +350,7 @@ def calibrate(
                 return curve
         except (OSError, ValueError, TypeError, KeyError) as error:
             logger.warning("Ignoring the cached calibration %s: %s", path, error)
-    logger.info("Calibrating %s (%s) on this machine", target.source, str(target.dtype).replace("torch.", ""))
+    logger.info("Calibrating %s (%s) on this machine", target.source, target.format)
     curve = measure(target, draft, draft_int8=draft_int8)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from . import offline
+from . import formats, offline
 from .memory import return_free_memory
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,10 @@ _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float": torch.float32,
 }
+
+#: the number formats a target can run in: a torch dtype, or the int8 format (int8 weights, bfloat16 activations;
+#: CPU only, see :mod:`specdemo.formats`)
+FORMATS = ("bfloat16", "float16", "float32", formats.INT8)
 
 
 class ModelLoadError(Exception):
@@ -66,6 +70,11 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     settings: LoadSettings = field(default_factory=LoadSettings)
+
+    @property
+    def format(self) -> str:
+        """The number format the model runs in, as --dtype spells it: ``int8`` or the dtype's name."""
+        return formats.INT8 if formats.is_int8_format(self.model) else str(self.dtype).removeprefix("torch.")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -128,19 +137,41 @@ def resolve_device(name: str) -> torch.device:
     raise ModelLoadError(f"unknown device '{name}'; use auto, cpu, cuda, cuda:N or mps")
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bfloat16 on CPU and on CUDA when supported (else float16), float16 on MPS."""
+def resolve_format(name: str, device: torch.device) -> str:
+    """The number format ``name`` stands for on ``device``, as one of :data:`FORMATS`.
+
+    ``auto`` is bfloat16 on CPU and on CUDA when supported (else float16), float16 on MPS. The app and the bench
+    refine ``auto`` on a CPU by measurement (:func:`specdemo.calibration.choose_format`).
+    """
     text = (name or "auto").strip().lower().removeprefix("torch.")
     if text == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         if device.type == "mps":
-            return torch.float16
-        return torch.bfloat16
+            return "float16"
+        return "bfloat16"
+    if text == formats.INT8:
+        if device.type != "cpu":
+            raise ModelLoadError("the int8 format is for CPU targets; on a GPU use --load-in 8bit")
+        if not formats.int8_kernel_available():
+            raise ModelLoadError("the int8 format needs a torch build with the weight-only int8 CPU kernel")
+        return formats.INT8
     try:
-        return _DTYPES[text]
+        return str(_DTYPES[text]).removeprefix("torch.")
     except KeyError:
-        raise ModelLoadError(f"unknown dtype '{name}'; use auto, bfloat16, float16 or float32") from None
+        raise ModelLoadError(f"unknown dtype '{name}'; use auto, {', '.join(FORMATS)}") from None
+
+
+def draft_dtype(name: str) -> str:
+    """The dtype a draft loads in beside a target in ``name``: drafts of an int8 target load in bfloat16 and make
+    their own int8 copy (see :func:`specdemo.drafters.int8_copy`); a draft's rows need no batch invariance."""
+    return "bfloat16" if (name or "").strip().lower() == formats.INT8 else name
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The activation dtype of the format ``name`` resolves to on ``device`` (bfloat16 for int8)."""
+    fmt = resolve_format(name, device)
+    return formats.INT8_ACTIVATIONS if fmt == formats.INT8 else _DTYPES[fmt]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +199,8 @@ def _resolve(source: str, settings: LoadSettings) -> tuple[CacheKey, torch.devic
         raise ModelLoadError("no model given")
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    key = (_normalise_source(source), str(dtype), str(device), settings.quantization, settings.trust_remote_code)
+    fmt = resolve_format(settings.dtype, device)
+    key = (_normalise_source(source), fmt, str(device), settings.quantization, settings.trust_remote_code)
     return key, device, dtype
 
 
@@ -178,7 +210,7 @@ def cache_key(source: str, settings: LoadSettings = LoadSettings()) -> CacheKey:
 
 
 def cached_models() -> list[CacheKey]:
-    """Keys (source, dtype, device, quantization, trust_remote_code) of the cached models."""
+    """Keys (source, format, device, quantization, trust_remote_code) of the cached models."""
     with _cache_lock:
         return list(_cache)
 
@@ -382,7 +414,10 @@ def _load_uncached(
     elif device.type == "cuda":
         model_kwargs["device_map"] = {"": device}  # straight onto the GPU, no CPU copy
 
+    key_format = resolve_format(settings.dtype, device)
     quant_note = f", {settings.quantization}" if settings.quantization else ""
+    if key_format == formats.INT8:
+        quant_note += ", int8 weights"
     logger.info("Loading %s (%s, %s%s)", source, device, dtype, quant_note)
     if on_progress is not None:
         on_progress(0.0, f"Loading {source}")
@@ -399,6 +434,8 @@ def _load_uncached(
     if "device_map" not in model_kwargs:
         model = model.to(device)
     model.eval()
+    if key_format == formats.INT8:
+        formats.to_int8_format(model)
     _fill_special_ids(model, tokenizer)
     if on_progress is not None:
         on_progress(1.0, f"Loaded {source}")

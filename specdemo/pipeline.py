@@ -16,6 +16,7 @@ from .calibration import CostCurve
 from .draft_length import DraftLengthPolicy, TreeBudget, make_policy
 from .drafters import NGRAM_PREFERENCES, DraftModelDrafter, Drafter, NgramDrafter
 from .engine import GenerationSettings, RoundEvent, plain_decode, seeded_generator, speculative_decode
+from .formats import output_rows, output_weight
 from .lm import CachedLM
 from .medusa import MedusaDrafter, MedusaHeads, MedusaLoadError, load_heads, shipped_heads_for
 from .memory import return_free_memory
@@ -181,12 +182,12 @@ def medusa_heads(target: LoadedModel, source: str | None = None) -> MedusaHeads:
     per_model = _HEADS.setdefault(target.model, {})
     if source in per_model:
         return per_model[source]
-    weight = target.model.get_output_embeddings().weight
+    head = target.model.get_output_embeddings()
     try:
-        heads = load_heads(source, weight.shape[1], weight.shape[0], expected_sha256)
+        heads = load_heads(source, head.in_features, head.out_features, expected_sha256)
     except MedusaLoadError as error:
         raise InputError(str(error), field="medusa_heads") from None
-    heads = heads.to(device=target.device, dtype=weight.dtype)
+    heads = heads.to(device=target.device, dtype=target.dtype)
     per_model[source] = heads
     return heads
 
@@ -201,11 +202,11 @@ def make_drafter(
     spec.validate()
     check_pair(spec.mode, target, draft)
     if spec.mode in MEDUSA_MODES:
-        weight = target.model.get_output_embeddings().weight
+        weight = output_weight(target.model)
         tree = spec.mode == "medusa" and settings.sampling.greedy  # sampling is exact on a chain only
         return MedusaDrafter(
             medusa_heads(target, spec.medusa_heads),
-            weight.detach(),
+            weight,
             settings.sampling,
             target_vocab_size=weight.shape[0],
             eos_token_ids=target.eos_token_ids,
@@ -224,13 +225,13 @@ def make_drafter(
             settings.sampling,
             draft_eos_ids=draft.eos_token_ids,
             generator=_seeded(settings.sampling.seed, draft.device),
-            target_vocab_size=target.model.get_output_embeddings().weight.shape[0],
+            target_vocab_size=output_rows(target.model),
             int8=bool(spec.draft_int8),  # opt-in for uag: its measured figures are for the draft's own dtype
         )
     return DraftModelDrafter(
         draft.model,
         settings.sampling,
-        target_vocab_size=target.model.get_output_embeddings().weight.shape[0],
+        target_vocab_size=output_rows(target.model),
         eos_token_ids=target.eos_token_ids,
         head_tokens=spec.head_tokens,
         confidence_stop=spec.confidence_stop,
@@ -246,7 +247,7 @@ def policy_prior(
     for draft mode with the draft it timed (a uag draft's step leaves out its text re-encoding)."""
     if calibration is None or calibration.target != target.source:
         return None
-    if calibration.dtype != str(target.dtype).replace("torch.", ""):
+    if calibration.dtype != target.format:
         return None
     if mode != "draft" or draft is None or calibration.draft != draft.source:
         return replace(calibration, draft_seconds_per_token=None, draft=None)

@@ -107,7 +107,7 @@ class RaceSettings:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
-            dtype=str(prepared.target.dtype).replace("torch.", ""),
+            dtype=prepared.target.format,
             device=device,
             hardware=hardware_name(device),
             prompt=prepared.request.prompt,

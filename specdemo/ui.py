@@ -32,7 +32,16 @@ from .bench import divergence, divergence_margin
 from .engine import Counters, GenerationSettings, TokenEvent, collect
 from .calibration import PASS_LENGTHS, CostCurve, calibrate
 from .memory import resident_gb, return_free_memory
-from .models import CacheKey, LoadedModel, LoadSettings, ModelLoadError, cache_key, load_model, resolve_device
+from .models import (
+    CacheKey,
+    LoadedModel,
+    LoadSettings,
+    ModelLoadError,
+    cache_key,
+    draft_dtype,
+    load_model,
+    resolve_device,
+)
 from .offline import OfflinePackError
 from .pipeline import (
     MEDUSA_MODES,
@@ -82,7 +91,7 @@ TIME_BUDGET = "time budget"
 
 Loader = Callable[..., LoadedModel]  # load_model(source, settings, progress=..., on_progress=...)
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")
 QUANTIZATIONS = {"none": None, "8bit": "8bit", "4bit": "4bit"}
 DRAFT_LENGTHS = ["adaptive", "heuristic", *[str(k) for k in range(1, 13)]]
 #: categories of the labelled examples, in display order
@@ -426,7 +435,7 @@ class Racer:
         # loading (the first offline load joins and converts the pack: minutes, with progress)
         started = time.perf_counter()
         target_settings = LoadSettings(dtype=dtype, device=config.device, quantization=quantization)
-        draft_settings = LoadSettings(dtype=dtype, device=config.device)
+        draft_settings = LoadSettings(dtype=draft_dtype(dtype), device=config.device)
         # the pair's draft stays loaded in a draft-free mode, so flipping modes on one pair reloads nothing
         self._switch_pair(target_source, target_settings, draft_source or (preset and preset.draft), draft_settings)
         share = 0.5 if draft_source else 1.0
@@ -590,7 +599,7 @@ def log_race(state: RaceState, ended: str, seconds: float) -> None:
             "target": prepared.target_source,
             "draft": prepared.draft_source,
             "mode": prepared.spec.mode,
-            "dtype": str(prepared.target.dtype).replace("torch.", ""),
+            "dtype": prepared.target.format,
             "device": str(prepared.target.device),
             "prompt_tokens": len(prepared.prompt_ids),
             "max_new_tokens": prepared.settings.max_new_tokens,
@@ -704,7 +713,7 @@ def result_dict(state: RaceState, stopped: bool = False) -> dict[str, Any]:
                 "temperature": sampling.temperature,
                 "top_p": sampling.top_p,
                 "seed": sampling.seed,
-                "dtype": str(prepared.target.dtype).replace("torch.", ""),
+                "dtype": prepared.target.format,
                 "device": str(prepared.target.device),
                 "prompt_tokens": len(prepared.prompt_ids),
                 "calibration": prepared.calibration.as_dict() if prepared.calibration is not None else None,

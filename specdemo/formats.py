@@ -1,0 +1,171 @@
+"""The int8 target format: int8 weights, bfloat16 activations, float32 accumulation, batch-invariant passes.
+
+On a CPU a one-token pass is bound by reading the weights. Stored as int8 (one scale per output channel), they
+halve the bytes of bfloat16; PyTorch's ``aten._weight_int8pack_mm`` kernel (the one torch.compile lowers weight-only
+int8 to on CPUs) multiplies bfloat16 activations by them with float32 accumulation, and it is vectorised on AVX2 as
+well as AVX-512, so it needs no native bfloat16 arithmetic.
+
+Exactness needs more than a fast matmul: a verify pass over k tokens must give each token the logits a one-token
+pass would. Every piece of this format is chosen so that a token's row never depends on the other rows of its pass:
+
+- the matmul has no activation scale at all (weight-only quantisation; a per-tensor activation scale, as in
+  ``torch.ao.quantization.quantize_dynamic``, would mix the rows);
+- attention runs row by row for short passes (:data:`ROW_WISE_MAX_QUERIES`): each query attends to exactly the keys
+  a one-token pass at its position would see, in the same call shape (see :func:`row_wise_attention`);
+- norms, rotary embeddings and activations are per-row already.
+
+Prefills longer than :data:`ROW_WISE_MAX_QUERIES` use the stock attention; both sides of a race prefill the same
+prompt in the same call, so they agree there too.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+logger = logging.getLogger(__name__)
+
+#: the format's name, as --dtype and the app's dtype menu spell it
+INT8 = "int8"
+#: the activation dtype of the int8 format
+INT8_ACTIVATIONS = torch.bfloat16
+#: the attention implementation registered with transformers for int8 targets
+ROW_WISE_ATTENTION = "specdemo_row_wise"
+#: passes over at most this many new tokens attend row by row (verify passes, Medusa trees); longer ones (prefills)
+#: use the stock kernel
+ROW_WISE_MAX_QUERIES = 64
+
+
+class Int8WeightLinear(nn.Module):
+    """A linear layer with int8 weights (symmetric, one scale per output channel) and bfloat16 activations."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+        self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(INT8_ACTIVATIONS))
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().to(INT8_ACTIVATIONS))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, self.in_features).to(INT8_ACTIVATIONS).contiguous()
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*hidden.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights as bfloat16 (what the int8 values and scales stand for)."""
+        return self.qweight.to(INT8_ACTIVATIONS) * self.scale[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+
+
+def int8_kernel_available() -> bool:
+    """Whether this torch build has the CPU weight-only int8 kernel."""
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def to_int8_format(model: PreTrainedModel) -> PreTrainedModel:
+    """Turn a CPU model into the int8 format in place: every linear layer (LM head included) int8, everything else
+    bfloat16, attention row-wise for short passes. Returns the model."""
+    model.to(INT8_ACTIVATIONS)
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is getattr(model.get_input_embeddings(), "weight", None)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8WeightLinear(child))
+    if tied:  # the embedding keeps its bfloat16 table; the head is an int8 copy, so they are no longer tied
+        model.config.tie_word_embeddings = False
+    model.set_attn_implementation(ROW_WISE_ATTENTION)
+    return model
+
+
+def is_int8_format(model: nn.Module) -> bool:
+    """Whether ``model`` is in the int8 format (its LM head is an :class:`Int8WeightLinear`)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    return callable(get_head) and isinstance(get_head(), Int8WeightLinear)
+
+
+def output_rows(model: nn.Module) -> int:
+    """The number of rows (vocabulary entries) the model's LM head scores."""
+    head = model.get_output_embeddings()
+    if isinstance(head, Int8WeightLinear):
+        return head.out_features
+    return int(head.weight.shape[0])
+
+
+#: bfloat16 copies of int8 LM heads, for Medusa heads that score with the target's head (freed with the model)
+_DEQUANTIZED_HEADS: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def output_weight(model: nn.Module) -> torch.Tensor:
+    """The LM head's weight matrix; for the int8 format a bfloat16 copy, made once per model."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, Int8WeightLinear):
+        return head.weight.detach()
+    weight = _DEQUANTIZED_HEADS.get(model)
+    if weight is None:
+        with torch.inference_mode():
+            weight = head.dequantized()
+        _DEQUANTIZED_HEADS[model] = weight
+    return weight
+
+
+def _allowed_keys(mask: torch.Tensor | None, batch: int, row: int, kv_length: int, q_length: int) -> torch.Tensor | int:
+    """The keys query ``row`` may see: a count (a causal prefix) or the indices (a tree mask)."""
+    if mask is None:
+        return kv_length - q_length + row + 1
+    line = mask[batch, 0, row, :kv_length]
+    allowed = line if line.dtype == torch.bool else line > torch.finfo(line.dtype).min / 2
+    count = int(allowed.sum())
+    if count and bool(allowed[:count].all()):
+        return count
+    return allowed.nonzero().squeeze(-1)
+
+
+def row_wise_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Scaled dot-product attention computed one query at a time, each over exactly the keys it may see.
+
+    A query's result is then the same function of the same tensors whether its pass holds 1 or 16 tokens: the
+    batch invariance exact speculative decoding needs (the stock kernels split and order their sums by the number
+    of queries). Long passes (prefills) and batches of several sequences go to the stock SDPA path.
+    """
+    batch, _, q_length, _ = query.shape
+    if q_length > ROW_WISE_MAX_QUERIES or batch != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kv_length = key.shape[2]
+    rows = []
+    for row in range(q_length):
+        allowed = _allowed_keys(attention_mask, 0, row, kv_length, q_length)
+        if isinstance(allowed, int):
+            row_keys, row_values = key[:, :, :allowed].contiguous(), value[:, :, :allowed].contiguous()
+        else:
+            row_keys, row_values = key.index_select(2, allowed), value.index_select(2, allowed)
+        out, _ = sdpa_attention_forward(
+            module, query[:, :, row : row + 1], row_keys, row_values, None, **{**kwargs, "is_causal": False}
+        )
+        rows.append(out)
+    return torch.cat(rows, dim=1), None
+
+
+AttentionInterface.register(ROW_WISE_ATTENTION, row_wise_attention)
+AttentionMaskInterface.register(ROW_WISE_ATTENTION, sdpa_mask)  # the masks SDPA gets; rows read them above
