@@ -22,15 +22,24 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .formats import output_rows
 from .lm import CachedLM, now
-from .models import LoadedModel
+from .models import (
+    LoadedModel,
+    LoadSettings,
+    ModelLoadError,
+    cache_key,
+    forget_model,
+    load_model,
+    resolve_device,
+    resolve_format,
+)
 from .offline import cache_home
 
 logger = logging.getLogger(__name__)
@@ -52,6 +61,9 @@ class Hardware:
     flags: tuple[str, ...] = ()
     threads: int = 1
     torch: str = ""
+    #: the instruction set torch's own kernels dispatch to (``ATEN_CPU_CAPABILITY`` can lower it), and oneDNN's
+    #: limit when ``ONEDNN_MAX_CPU_ISA`` sets one: how a machine of another class is imitated on this one
+    kernels: str = ""
 
     @property
     def native_bfloat16(self) -> bool | None:
@@ -66,7 +78,8 @@ class Hardware:
         if self.device != "cpu":
             return f"{self.name} ({self.device})"
         flags = ", ".join(self.flags) if self.flags else "instruction sets unknown"
-        return f"{self.name}, {self.threads} threads ({flags})"
+        kernels = f"; kernels {self.kernels}" if self.kernels else ""
+        return f"{self.name}, {self.threads} threads ({flags}{kernels})"
 
 
 @functools.lru_cache(maxsize=1)
@@ -95,7 +108,14 @@ def detect_hardware(device: torch.device) -> Hardware:
     if device.type != "cpu":
         return Hardware(str(device), device.type, torch=torch.__version__)
     name, flags = _cpu_info()
-    return Hardware("cpu", name, flags, torch.get_num_threads(), torch.__version__)
+    return Hardware("cpu", name, flags, torch.get_num_threads(), torch.__version__, _kernel_isa())
+
+
+def _kernel_isa() -> str:
+    """What the CPU kernels use: torch's dispatch level, and oneDNN's limit if the environment sets one."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return f"{capability}, oneDNN up to {limit}" if limit else capability
 
 
 @dataclass
@@ -319,7 +339,8 @@ def cache_path(
     key = json.dumps(
         {
             "version": CALIBRATION_VERSION,
-            "hardware": [hardware.device, hardware.name, list(hardware.flags), hardware.threads, hardware.torch],
+            "hardware": [hardware.device, hardware.name, list(hardware.flags), hardware.threads, hardware.torch,
+                         hardware.kernels],
             "target": target.source,
             "dtype": target.format,
             "quantization": target.settings.quantization if target.settings else None,
@@ -352,11 +373,156 @@ def calibrate(
             logger.warning("Ignoring the cached calibration %s: %s", path, error)
     logger.info("Calibrating %s (%s) on this machine", target.source, target.format)
     curve = measure(target, draft, draft_int8=draft_int8)
+    _cache_json(path, curve.as_dict())
+    return curve
+
+
+def _cache_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` whole or not at all; a read-only home only costs the cache (logged)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(curve.as_dict(), indent=1))
+        partial.write_text(json.dumps(data, indent=1))
         os.replace(partial, path)
-    except OSError as error:  # a read-only home: the curve still serves this run
-        logger.warning("Could not cache the calibration at %s: %s", path, error)
-    return curve
+    except OSError as error:
+        logger.warning("Could not cache %s: %s", path, error)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --dtype auto on a CPU: the format chosen by measurement
+
+#: the formats ``auto`` chooses among on a CPU (float32 is left out: its one-token pass costs two to three times a
+#: bfloat16 one on both classes of CPU measured, so it is never the fastest)
+AUTO_FORMATS = ("int8", "bfloat16")
+#: "speculation can pay" in a format: a free drafter right 80 % of the time beats plain decoding by 10 % at some
+#: draft length (the draft-length policy's own test, see :meth:`DraftLengthPolicy.drafting_could_pay`)
+PAYING_ACCEPTANCE = 0.8
+PAYING_SPEEDUP = 1.1
+
+
+def speculation_can_pay(
+    curve: CostCurve, acceptance: float = PAYING_ACCEPTANCE, margin: float = PAYING_SPEEDUP
+) -> bool:
+    """Whether some draft length lets a free drafter (n-gram lookup) at ``acceptance`` beat plain decoding by
+    ``margin`` on this curve."""
+    for k in range(1, curve.lengths[-1]):
+        expected = (1 - acceptance ** (k + 1)) / (1 - acceptance)
+        if expected / curve.round_cost(k, 0.0) >= margin:
+            return True
+    return False
+
+
+@dataclass
+class FormatChoice:
+    """The format a target runs in, and why: ``curves`` holds the measured candidates when ``auto`` chose."""
+
+    format: str
+    reason: str
+    curves: dict[str, CostCurve] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        lines = [f"format: {self.format} ({self.reason})"]
+        for name, curve in self.curves.items():
+            pays = "speculation can pay" if speculation_can_pay(curve) else "speculation cannot pay"
+            lines.append(f"  {name}: {curve.seconds[0] * 1000:.0f} ms per one-token pass, a pass over 4 tokens "
+                         f"{curve.cost(4):.2f}x; {pays}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "reason": self.reason,
+            "candidates": {name: curve.as_dict() for name, curve in self.curves.items()},
+        }
+
+
+def pick_format(curves: dict[str, CostCurve]) -> FormatChoice:
+    """Among measured formats, the one with the fastest plain decoding among those where speculation can pay (the
+    fastest of all when it pays in none)."""
+    paying = [name for name, curve in curves.items() if speculation_can_pay(curve)]
+    pool = paying or list(curves)
+    best = min(pool, key=lambda name: curves[name].seconds[0])
+    others = [name for name in curves if name != best]
+    if len(curves) == 1:
+        reason = "auto: the only format measured"
+    elif paying:
+        reason = (f"auto: fastest plain decoding where speculation can pay, "
+                  f"{curves[best].seconds[0] * 1000:.0f} ms a token against "
+                  + ", ".join(f"{name} {curves[name].seconds[0] * 1000:.0f} ms" for name in others))
+    else:
+        reason = "auto: speculation cannot pay in any format here; the fastest plain decoding"
+    return FormatChoice(best, reason, dict(curves))
+
+
+def _choice_path(source: str, settings: LoadSettings, folder: Path | None) -> Path:
+    """Where ``auto``'s choice for ``source`` on this machine is cached."""
+    hardware = detect_hardware(resolve_device(settings.device))
+    key = json.dumps(
+        {
+            "version": CALIBRATION_VERSION,
+            "hardware": [hardware.device, hardware.name, list(hardware.flags), hardware.threads, hardware.torch,
+                         hardware.kernels],
+            "target": cache_key(source, settings)[0],
+            "quantization": settings.quantization,
+            "formats": list(AUTO_FORMATS),
+            "node": platform.node(),
+        },
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return (folder or cache_home() / "calibration") / f"format-{digest}.json"
+
+
+def cached_format_choice(source: str, settings: LoadSettings, folder: Path | None = None) -> FormatChoice | None:
+    """``auto``'s earlier choice for ``source`` on this machine, if one is cached (reads one small file)."""
+    try:
+        path = _choice_path(source, settings, folder)
+    except ModelLoadError:
+        return None
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        curves = {name: CostCurve.from_dict(curve) for name, curve in data["candidates"].items()}
+        return FormatChoice(str(data["format"]), str(data["reason"]), curves)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        logger.warning("Ignoring the cached format choice %s: %s", path, error)
+        return None
+
+
+def choose_format(
+    source: str,
+    settings: LoadSettings,
+    refresh: bool = False,
+    folder: Path | None = None,
+    load: Callable[..., LoadedModel] = load_model,
+) -> FormatChoice:
+    """The format ``source`` runs in with ``settings``. Anything but ``auto`` on a CPU is taken as asked. ``auto``
+    on a CPU reads the choice cached for this machine, else loads the target in each of :data:`AUTO_FORMATS`,
+    calibrates each and picks with :func:`pick_format` (about 15 s a format, once); the formats not chosen are
+    dropped from the model cache."""
+    device = resolve_device(settings.device)
+    asked = (settings.dtype or "auto").strip().lower()
+    if asked != "auto" or device.type != "cpu" or settings.quantization:
+        fmt = resolve_format(settings.dtype, device)
+        return FormatChoice(fmt, "as asked" if asked != "auto" else f"auto on {device.type}")
+    if not refresh and (cached := cached_format_choice(source, settings, folder)) is not None:
+        return cached
+    curves: dict[str, CostCurve] = {}
+    for fmt in AUTO_FORMATS:
+        candidate = replace(settings, dtype=fmt)
+        try:
+            target = load(source, candidate, progress=False)
+        except ModelLoadError as error:  # e.g. a torch without the int8 kernel
+            logger.info("Format %s unavailable for %s: %s", fmt, source, error)
+            continue
+        curves[fmt] = calibrate(target, None, refresh=refresh, folder=folder)
+    if not curves:
+        raise ModelLoadError(f"cannot load '{source}' in any of {', '.join(AUTO_FORMATS)}")
+    choice = pick_format(curves)
+    for fmt in curves:
+        if fmt != choice.format:
+            forget_model(source, replace(settings, dtype=fmt))
+    _cache_json(_choice_path(source, settings, folder), choice.as_dict())
+    logger.info("%s", choice.summary())
+    return choice

@@ -209,6 +209,15 @@ def cache_key(source: str, settings: LoadSettings = LoadSettings()) -> CacheKey:
     return _resolve(source, settings)[0]
 
 
+def forget_model(source: str, settings: LoadSettings = LoadSettings()) -> None:
+    """Drop ``source`` loaded with ``settings`` from the cache (freed once no one else holds it)."""
+    key = _resolve(source, settings)[0]
+    with _cache_lock:
+        _cache.pop(key, None)
+        _key_locks.pop(key, None)
+    return_free_memory()
+
+
 def cached_models() -> list[CacheKey]:
     """Keys (source, format, device, quantization, trust_remote_code) of the cached models."""
     with _cache_lock:

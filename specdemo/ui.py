@@ -20,7 +20,7 @@ import tempfile
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -30,7 +30,7 @@ import torch
 
 from .bench import divergence, divergence_margin
 from .engine import Counters, GenerationSettings, TokenEvent, collect
-from .calibration import PASS_LENGTHS, CostCurve, calibrate
+from .calibration import PASS_LENGTHS, CostCurve, cached_format_choice, calibrate, choose_format
 from .memory import resident_gb, return_free_memory
 from .models import (
     CacheKey,
@@ -41,6 +41,7 @@ from .models import (
     draft_dtype,
     load_model,
     resolve_device,
+    resolve_format,
 )
 from .offline import OfflinePackError
 from .pipeline import (
@@ -255,6 +256,7 @@ class Prepared:
     warmup_seconds: float = 0.0
     pair: str | None = None  # the preset raced (None: custom models)
     calibration: CostCurve | None = None  # this machine's cost curve for the target (and draft)
+    format_reason: str | None = None  # why the target runs in its format, when --dtype auto chose it
 
 
 @dataclass(frozen=True)
@@ -435,6 +437,15 @@ class Racer:
         # loading (the first offline load joins and converts the pack: minutes, with progress)
         started = time.perf_counter()
         target_settings = LoadSettings(dtype=dtype, device=config.device, quantization=quantization)
+        format_reason = None
+        if dtype == "auto" and config.calibrate:
+            report(0.0, "Choosing the target's format: each candidate measured once on this machine")
+            try:
+                choice = choose_format(target_source, target_settings, load=config.loader)
+            except (ModelLoadError, OfflinePackError) as error:
+                raise InputError(_first_line(error)) from None
+            dtype, format_reason = choice.format, choice.reason
+            target_settings = replace(target_settings, dtype=dtype)
         draft_settings = LoadSettings(dtype=draft_dtype(dtype), device=config.device)
         # the pair's draft stays loaded in a draft-free mode, so flipping modes on one pair reloads nothing
         self._switch_pair(target_source, target_settings, draft_source or (preset and preset.draft), draft_settings)
@@ -468,7 +479,7 @@ class Racer:
         as_preset = preset is not None and (target_source, draft_source or preset.draft) == (preset.target, preset.draft)
         prepared = Prepared(
             request, target, draft, target_source, draft_source, prompt_ids, settings, spec, warnings, load_seconds,
-            pair=preset.key if as_preset else None,
+            pair=preset.key if as_preset else None, format_reason=format_reason,
         )
         try:
             prepared.warmup_seconds = self.warm_up(prepared, report)
@@ -714,6 +725,7 @@ def result_dict(state: RaceState, stopped: bool = False) -> dict[str, Any]:
                 "top_p": sampling.top_p,
                 "seed": sampling.seed,
                 "dtype": prepared.target.format,
+                "format_reason": prepared.format_reason,
                 "device": str(prepared.target.device),
                 "prompt_tokens": len(prepared.prompt_ids),
                 "calibration": prepared.calibration.as_dict() if prepared.calibration is not None else None,
@@ -1070,7 +1082,25 @@ def _pair_info(config: AppConfig, key: str) -> str:
     if preset is None:
         return ""
     memory = preset.resident_memory or "not measured yet (Hub models); see the hardware line"
-    return f"{preset.description}  \n*Hardware:* {preset.hardware}  \n*Measured memory:* {memory}"
+    info = f"{preset.description}  \n*Hardware:* {preset.hardware}  \n*Measured memory:* {memory}"
+    return f"{info}  \n*Target format:* {_format_note(config, preset.target)}"
+
+
+def _format_note(config: AppConfig, target: str) -> str:
+    """The format the target runs in here, as far as it is known before a race."""
+    if config.dtype != "auto":
+        return config.dtype
+    try:
+        device = resolve_device(config.device)
+    except ModelLoadError:
+        return "auto"
+    if device.type != "cpu" or not config.calibrate:
+        return f"auto ({resolve_format('auto', device)} on {device.type})"
+    choice = cached_format_choice(target, LoadSettings(dtype="auto", device=config.device))
+    if choice is None:
+        return ("auto: int8 or bfloat16, whichever decodes faster here where speculation can pay (measured at the "
+                "first race)")
+    return f"{choice.format} ({choice.reason})"
 
 
 def mode_for_pair(config: AppConfig, key: str, current: str) -> str:

@@ -231,3 +231,70 @@ def test_the_drafter_books_its_catch_up_apart() -> None:
     context = context + [7, 8, 9, 11, 12]  # five plain steps without the drafter
     behind = drafter.propose(context, 3)
     assert behind.catch_up_seconds > 0 and len(behind.tokens) == 3
+
+
+# --dtype auto on a CPU: the format with the fastest plain decoding among those where speculation can pay
+
+#: the offline target in the int8 format (int8 weights, bfloat16 activations) and in bfloat16 on this project's
+#: native-bfloat16 CPU (the bench's calibration, 128 cached tokens)
+NATIVE_INT8 = curve(NATIVE, 0.066, [1.0, 0.98, 1.19, 2.31, 4.02])
+NATIVE_BF16_MEASURED = curve(NATIVE, 0.150, [1.0, 1.02, 1.06, 1.2, 1.5])
+#: a CPU whose bfloat16 passes are faster than int8 ones (AMX tiles): bfloat16 must win there
+AMX = Hardware("cpu", "Intel Xeon (AMX)", ("avx2", "avx512f", "avx512_bf16", "amx_bf16"), 2, "2.13.0")
+AMX_BF16 = curve(AMX, 0.040, [1.0, 1.01, 1.03, 1.06, 1.12])
+AMX_INT8 = curve(AMX, 0.055, [1.0, 1.0, 1.1, 1.9, 3.5])
+
+
+def test_speculation_can_pay_per_cpu_class() -> None:
+    assert calibration.speculation_can_pay(NATIVE_BF16) and calibration.speculation_can_pay(NATIVE_INT8)
+    assert calibration.speculation_can_pay(AVX2_INT8)
+    assert not calibration.speculation_can_pay(AVX2_BF16)  # a pass over k tokens costs nearly k plain steps
+
+
+@pytest.mark.parametrize(
+    "curves,expected",
+    [
+        ({"int8": NATIVE_INT8, "bfloat16": NATIVE_BF16_MEASURED}, "int8"),
+        ({"int8": AVX2_INT8, "bfloat16": AVX2_BF16}, "int8"),
+        ({"int8": AMX_INT8, "bfloat16": AMX_BF16}, "bfloat16"),
+        # faster plain decoding, but speculation cannot pay in it: the slower format where it can
+        ({"int8": curve(AVX2, 0.100, [1.0, 1.9, 3.8, 7.6, 15.0]), "bfloat16": NATIVE_BF16}, "bfloat16"),
+        # it pays nowhere: the fastest plain decoding
+        ({"int8": curve(AVX2, 0.100, [1.0, 1.9, 3.8, 7.6, 15.0]), "bfloat16": AVX2_BF16}, "int8"),
+    ],
+    ids=["native", "avx2-only", "amx", "only-bf16-pays", "none-pays"],
+)
+def test_auto_picks_the_fastest_format_where_speculation_can_pay(curves, expected) -> None:
+    choice = calibration.pick_format(curves)
+    assert choice.format == expected and choice.reason.startswith("auto")
+    assert set(choice.as_dict()["candidates"]) == set(curves)
+    assert choice.summary().startswith(f"format: {expected}")
+
+
+def test_choose_format_measures_each_candidate_once_per_machine(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from specdemo.formats import to_int8_format
+
+    loads, forgotten = [], []
+
+    def fake_load(source, settings, progress=True, on_progress=None):
+        loads.append(settings.dtype)
+        model = to_int8_format(llama(1)) if settings.dtype == "int8" else llama(1).to(torch.bfloat16)
+        return LoadedModel(source, model, None, torch.device("cpu"), torch.bfloat16, settings)
+
+    recorded = {"int8": NATIVE_INT8, "bfloat16": NATIVE_BF16_MEASURED}
+    monkeypatch.setattr(calibration, "measure", lambda target, draft, **kwargs: recorded[target.format])
+    monkeypatch.setattr(calibration, "forget_model", lambda source, settings: forgotten.append(settings.dtype))
+    auto = LoadSettings(dtype="auto", device="cpu")
+    choice = calibration.choose_format("tiny:target", auto, folder=tmp_path, load=fake_load)
+    assert choice.format == "int8" and sorted(loads) == ["bfloat16", "int8"] and forgotten == ["bfloat16"]
+    assert "66 ms" in choice.reason and "bfloat16 150 ms" in choice.reason
+    again = calibration.choose_format("tiny:target", auto, folder=tmp_path, load=fake_load)
+    assert again.format == "int8" and len(loads) == 2  # the choice is cached per machine: nothing loaded again
+    assert calibration.cached_format_choice("tiny:target", auto, folder=tmp_path).format == "int8"
+    asked = calibration.choose_format("tiny:target", LoadSettings(dtype="float32"), folder=tmp_path, load=fake_load)
+    assert asked.format == "float32" and asked.reason == "as asked" and len(loads) == 2
+    calibration.choose_format("tiny:target", auto, refresh=True, folder=tmp_path, load=fake_load)
+    assert len(loads) == 4
+    for path in tmp_path.glob("format-*.json"):
+        path.write_text("{damaged")
+    assert calibration.cached_format_choice("tiny:target", auto, folder=tmp_path) is None
