@@ -81,6 +81,7 @@ def test_detect_hardware_on_this_cpu() -> None:
     assert hardware.device == "cpu" and hardware.name and hardware.threads >= 1
     assert set(hardware.flags) <= set(calibration.CPU_FLAGS)
     assert hardware.describe().startswith(hardware.name)
+    assert hardware.kernels == torch.backends.cpu.get_cpu_capability()  # what torch's kernels dispatch to
 
 
 def loaded(model, source: str) -> LoadedModel:
@@ -239,6 +240,12 @@ def test_the_drafter_books_its_catch_up_apart() -> None:
 #: native-bfloat16 CPU (the bench's calibration, 128 cached tokens)
 NATIVE_INT8 = curve(NATIVE, 0.066, [1.0, 0.98, 1.19, 2.31, 4.02])
 NATIVE_BF16_MEASURED = curve(NATIVE, 0.150, [1.0, 1.02, 1.06, 1.2, 1.5])
+#: the same target on this CPU with every kernel held to AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2,
+#: MKL_ENABLE_INSTRUCTIONS=AVX2): the AVX2-only class imitated; its bfloat16 curve has the shape recorded on a real
+#: AVX2-only machine above (1.58x, 2.81x, 5.71x, 11.1x)
+AVX2_KERNELS = Hardware("cpu", "AMD EPYC", ("avx2", "avx512f", "avx512_bf16"), 2, "2.13.0", "AVX2, oneDNN up to AVX2")
+AVX2_KERNELS_INT8 = curve(AVX2_KERNELS, 0.075, [1.0, 1.03, 1.83, 3.68, 7.15])
+AVX2_KERNELS_BF16 = curve(AVX2_KERNELS, 0.087, [1.0, 1.58, 2.81, 5.71, 11.06])
 #: a CPU whose bfloat16 passes are faster than int8 ones (AMX tiles): bfloat16 must win there
 AMX = Hardware("cpu", "Intel Xeon (AMX)", ("avx2", "avx512f", "avx512_bf16", "amx_bf16"), 2, "2.13.0")
 AMX_BF16 = curve(AMX, 0.040, [1.0, 1.01, 1.03, 1.06, 1.12])
@@ -256,13 +263,14 @@ def test_speculation_can_pay_per_cpu_class() -> None:
     [
         ({"int8": NATIVE_INT8, "bfloat16": NATIVE_BF16_MEASURED}, "int8"),
         ({"int8": AVX2_INT8, "bfloat16": AVX2_BF16}, "int8"),
+        ({"int8": AVX2_KERNELS_INT8, "bfloat16": AVX2_KERNELS_BF16}, "int8"),
         ({"int8": AMX_INT8, "bfloat16": AMX_BF16}, "bfloat16"),
         # faster plain decoding, but speculation cannot pay in it: the slower format where it can
         ({"int8": curve(AVX2, 0.100, [1.0, 1.9, 3.8, 7.6, 15.0]), "bfloat16": NATIVE_BF16}, "bfloat16"),
         # it pays nowhere: the fastest plain decoding
         ({"int8": curve(AVX2, 0.100, [1.0, 1.9, 3.8, 7.6, 15.0]), "bfloat16": AVX2_BF16}, "int8"),
     ],
-    ids=["native", "avx2-only", "amx", "only-bf16-pays", "none-pays"],
+    ids=["native", "avx2-only", "avx2-kernels", "amx", "only-bf16-pays", "none-pays"],
 )
 def test_auto_picks_the_fastest_format_where_speculation_can_pay(curves, expected) -> None:
     choice = calibration.pick_format(curves)

@@ -18,7 +18,15 @@ from specdemo.formats import (
 )
 from specdemo.lm import CachedLM
 from specdemo.medusa import MedusaDrafter
-from specdemo.models import ModelLoadError, draft_dtype, resolve_dtype, resolve_format
+from specdemo.models import (
+    LoadedModel,
+    LoadSettings,
+    ModelLoadError,
+    cache_key,
+    draft_dtype,
+    resolve_dtype,
+    resolve_format,
+)
 from specdemo.sampling import SamplingSettings
 
 from test_medusa import random_heads
@@ -116,6 +124,10 @@ def test_medusa_in_int8_equals_plain_int8_decoding(tree):
 
 def test_format_names():
     cpu = torch.device("cpu")
+    int8 = LoadedModel("tiny", int8_model(llama, 1), None, cpu, torch.bfloat16, LoadSettings(dtype="int8"))
+    bf16 = LoadedModel("tiny", llama(1).to(torch.bfloat16), None, cpu, torch.bfloat16, LoadSettings(dtype="bf16"))
+    assert int8.format == "int8" and bf16.format == "bfloat16"
+    assert cache_key("tiny:x", LoadSettings(dtype="int8"))[1] == "int8"
     assert resolve_format("int8", cpu) == "int8" and resolve_dtype("int8", cpu) == torch.bfloat16
     assert resolve_format("bf16", cpu) == "bfloat16" and resolve_format("float32", cpu) == "float32"
     assert resolve_format("auto", cpu) == "bfloat16"

@@ -363,3 +363,10 @@ def test_the_cost_curve_is_measured_once_and_charted(tmp_path, monkeypatch: pyte
     assert len(list(tmp_path.rglob("*.json"))) == 1  # cached: the next race on this pair measures nothing
     list(handlers.race(PROMPT, "tiny", "", "", "draft", "3", 12, 0.0, 1.0, 0, "float32", "none", True))
     assert handlers.racer.prepare(ui.RaceRequest(PROMPT, pair="tiny")).calibration.from_cache
+
+
+def test_pair_info_names_the_target_format(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path))
+    assert "*Target format:* float32" in ui._pair_info(tiny_app.config(), "tiny")
+    auto = ui._pair_info(tiny_app.config(dtype="auto", calibrate=True), "tiny")
+    assert "*Target format:* auto: int8 or bfloat16" in auto and "measured at the first race" in auto
