@@ -184,8 +184,11 @@ class CostAwareDraftLength:
         """Seconds of a verify pass over ``length`` tokens, from a model fitted to every measured length.
 
         A one-token pass is a plain step and keeps its own measured value (on some hardware any longer pass costs
-        a step more). Longer passes follow a straight line fitted by Theil-Sen (the median of the slopes between
-        measured lengths), so one slow pass at one length cannot make verification look much dearer or cheaper.
+        a step more). A longer length between two measured ones is read off the straight segment between them, so
+        a curve that stays flat up to some length and then climbs (int8 weights on a CPU) keeps its flat part;
+        past the longest measured length a straight line fitted by Theil-Sen (the median of the slopes between
+        measured lengths) extrapolates. A length measured once is first held to 1.5 times what the other lengths
+        predict, so one slow pass cannot make verification look much dearer.
         """
         known = self._verify_time
         if length == 1:
@@ -199,6 +202,13 @@ class CostAwareDraftLength:
                 if len(self._verify_recent.get(n, ())) == 1 else (n, t)
                 for i, (n, t) in enumerate(points)
             ]
+        below = [(n, t) for n, t in points if n <= length]
+        above = [(n, t) for n, t in points if n >= length]
+        if below and above:
+            (n0, t0), (n1, t1) = below[-1], above[0]
+            if n0 == n1:
+                return max(1e-9, t0)
+            return max(1e-9, t0 + (t1 - t0) * (length - n0) / (n1 - n0))
         return max(1e-9, _theil_sen(points, length))
 
     def drafting_could_pay(self, acceptance: float = GOOD_ACCEPTANCE, margin: float = PAYING_MARGIN) -> bool:
