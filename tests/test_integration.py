@@ -44,3 +44,21 @@ def test_offline_pair_float32_identical(pair):
         assert final.new_token_ids == plain.new_token_ids, spec
         assert final.text == plain.text
     assert "count" in plain.text
+
+
+def test_offline_pair_int8_identical_in_every_mode():
+    """The int8 format on the real target: speculative output identical to plain int8 decoding in every mode, and
+    plain decoding identical to stock ``generate`` on the same int8 model."""
+    from specdemo.models import LoadSettings, load_model
+
+    target = load_model("offline:qwen2.5-coder-1.5b", LoadSettings(dtype="int8", device="cpu"), progress=False)
+    draft = load_model("offline:qwen2.5-coder-0.5b", LoadSettings(dtype="bfloat16", device="cpu"), progress=False)
+    assert target.format == "int8"
+    prompt = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+    ids = encode_prompt(target, prompt)
+    settings = GenerationSettings(max_new_tokens=24)
+    plain = collect(plain_events(target, ids, settings))
+    assert plain.new_token_ids == reference_greedy(target.model, ids, 24, target.eos_token_ids)
+    for spec in (SpecSettings("draft", 3), SpecSettings("draft", "adaptive"), SpecSettings("ngram", 5),
+                 SpecSettings("medusa"), SpecSettings("medusa-chain")):
+        assert collect(spec_events(target, draft, ids, settings, spec)).new_token_ids == plain.new_token_ids, spec
