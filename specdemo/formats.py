@@ -10,8 +10,9 @@ pass would. Every piece of this format is chosen so that a token's row never dep
 
 - the matmul has no activation scale at all (weight-only quantisation; a per-tensor activation scale, as in
   ``torch.ao.quantization.quantize_dynamic``, would mix the rows);
-- attention runs row by row for short passes (:data:`ROW_WISE_MAX_QUERIES`): each query attends to exactly the keys
-  a one-token pass at its position would see, in the same call shape (see :func:`row_wise_attention`);
+- attention runs row by row for passes over at most 65 tokens (:data:`ROW_WISE_MAX_QUERIES`): each query
+  attends to exactly the keys a one-token pass at its position would see, in the same call shape (see
+  :func:`row_wise_attention`);
 - norms, rotary embeddings and activations are per-row already.
 
 Prefills longer than :data:`ROW_WISE_MAX_QUERIES` use the stock attention; both sides of a race prefill the same
@@ -37,9 +38,9 @@ INT8 = "int8"
 INT8_ACTIVATIONS = torch.bfloat16
 #: the attention implementation registered with transformers for int8 targets
 ROW_WISE_ATTENTION = "specdemo_row_wise"
-#: passes over at most this many new tokens attend row by row (verify passes, Medusa trees); longer ones (prefills)
-#: use the stock kernel
-ROW_WISE_MAX_QUERIES = 64
+#: passes over at most this many new tokens attend row by row: every verify pass (drafts are at most 64 tokens, plus
+#: the last token) and Medusa tree; longer ones (prefills) use the stock kernel
+ROW_WISE_MAX_QUERIES = 65
 
 
 class Int8WeightLinear(nn.Module):

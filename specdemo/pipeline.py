@@ -69,6 +69,8 @@ class SpecSettings:
         if self.mode not in SPEC_MODES:
             raise InputError(f"unknown mode {self.mode!r}; choose one of: {', '.join(SPEC_MODES)}")
         make_policy(self.draft_length, self.max_draft_length)
+        if not 1 <= self.max_draft_length <= 64:
+            raise InputError(f"the longest draft must be between 1 and 64 tokens, got {self.max_draft_length}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InputError(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
         if self.ngram_prefer not in NGRAM_PREFERENCES:

@@ -136,3 +136,13 @@ def test_format_names():
         resolve_format("int4", cpu)
     with pytest.raises(ModelLoadError, match="for CPU targets"):
         resolve_format("int8", torch.device("meta"))
+
+
+def test_every_verify_pass_fits_the_row_wise_attention():
+    from specdemo.formats import ROW_WISE_MAX_QUERIES
+    from specdemo.pipeline import InputError, SpecSettings
+
+    SpecSettings(max_draft_length=64).validate()
+    assert 64 + 1 <= ROW_WISE_MAX_QUERIES  # the longest draft plus the last token
+    with pytest.raises(InputError, match="between 1 and 64"):
+        SpecSettings(max_draft_length=65).validate()
