@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .draft_length import expected_tokens
 from .formats import output_rows
 from .lm import CachedLM, now
 from .models import (
@@ -265,7 +266,7 @@ def _draft_step_seconds(
     from .models import same_tokenizer
     from .sampling import SamplingSettings
 
-    vocab_size = int(output_rows(target.model))
+    vocab_size = output_rows(target.model)
     shared = target.tokenizer is not None and draft.tokenizer is not None
     if shared and same_tokenizer(target.tokenizer, draft.tokenizer):
         prefix = torch.randint(0, vocab_size, (prefix_tokens,), generator=generator).tolist()
@@ -308,7 +309,7 @@ def measure(
     """
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
-    vocab_size = int(output_rows(target.model))
+    vocab_size = output_rows(target.model)
     lm = CachedLM(target.model)
     lm.reset()
     lm.forward(torch.randint(0, vocab_size, (prefix_tokens,), generator=generator), all_logits=False)
@@ -331,6 +332,11 @@ def measure(
     )
 
 
+def _hardware_key(hardware: Hardware) -> list[Any]:
+    """What identifies a machine in a cache key (with the host name beside it)."""
+    return [hardware.device, hardware.name, list(hardware.flags), hardware.threads, hardware.torch, hardware.kernels]
+
+
 def cache_path(
     target: LoadedModel, draft: LoadedModel | None, folder: Path | None = None, draft_int8: bool | None = None
 ) -> Path:
@@ -339,8 +345,7 @@ def cache_path(
     key = json.dumps(
         {
             "version": CALIBRATION_VERSION,
-            "hardware": [hardware.device, hardware.name, list(hardware.flags), hardware.threads, hardware.torch,
-                         hardware.kernels],
+            "hardware": _hardware_key(hardware),
             "target": target.source,
             "dtype": target.format,
             "quantization": target.settings.quantization if target.settings else None,
@@ -405,11 +410,8 @@ def speculation_can_pay(
 ) -> bool:
     """Whether some draft length lets a free drafter (n-gram lookup) at ``acceptance`` beat plain decoding by
     ``margin`` on this curve."""
-    for k in range(1, curve.lengths[-1]):
-        expected = (1 - acceptance ** (k + 1)) / (1 - acceptance)
-        if expected / curve.round_cost(k, 0.0) >= margin:
-            return True
-    return False
+    return any(expected_tokens([acceptance], k) / curve.round_cost(k, 0.0) >= margin
+               for k in range(1, curve.lengths[-1]))
 
 
 @dataclass
@@ -456,12 +458,10 @@ def pick_format(curves: dict[str, CostCurve]) -> FormatChoice:
 
 def _choice_path(source: str, settings: LoadSettings, folder: Path | None) -> Path:
     """Where ``auto``'s choice for ``source`` on this machine is cached."""
-    hardware = detect_hardware(resolve_device(settings.device))
     key = json.dumps(
         {
             "version": CALIBRATION_VERSION,
-            "hardware": [hardware.device, hardware.name, list(hardware.flags), hardware.threads, hardware.torch,
-                         hardware.kernels],
+            "hardware": _hardware_key(detect_hardware(resolve_device(settings.device))),
             "target": cache_key(source, settings)[0],
             "quantization": settings.quantization,
             "formats": list(AUTO_FORMATS),

@@ -170,7 +170,10 @@ def draft_dtype(name: str) -> str:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The activation dtype of the format ``name`` resolves to on ``device`` (bfloat16 for int8)."""
-    fmt = resolve_format(name, device)
+    return _activation_dtype(resolve_format(name, device))
+
+
+def _activation_dtype(fmt: str) -> torch.dtype:
     return formats.INT8_ACTIVATIONS if fmt == formats.INT8 else _DTYPES[fmt]
 
 
@@ -198,10 +201,9 @@ def _resolve(source: str, settings: LoadSettings) -> tuple[CacheKey, torch.devic
     if not source or not source.strip():
         raise ModelLoadError("no model given")
     device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device)
     fmt = resolve_format(settings.dtype, device)
     key = (_normalise_source(source), fmt, str(device), settings.quantization, settings.trust_remote_code)
-    return key, device, dtype
+    return key, device, _activation_dtype(fmt)
 
 
 def cache_key(source: str, settings: LoadSettings = LoadSettings()) -> CacheKey:

@@ -8,7 +8,7 @@ import torch
 
 from specdemo.draft_length import FixedDraftLength, TreeBudget, make_policy
 from specdemo.drafters import DraftModelDrafter, NgramDrafter
-from specdemo.engine import GenerationSettings, collect, plain_decode, speculative_decode
+from specdemo.engine import GenerationSettings, collect, speculative_decode
 from specdemo.formats import (
     Int8WeightLinear,
     is_int8_format,
@@ -27,13 +27,9 @@ from specdemo.models import (
     resolve_dtype,
     resolve_format,
 )
-from specdemo.sampling import SamplingSettings
 
-from test_medusa import random_heads
+from test_medusa import GREEDY, PROMPTS, plain_ids, random_heads
 from tiny import VOCAB, gpt2, llama, qwen2
-
-GREEDY = SamplingSettings()
-PROMPTS = [[5, 7, 9, 11, 5, 7, 9, 3, 2, 1], [1], [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]]
 
 
 def int8_model(factory, seed: int, **kwargs):
@@ -77,7 +73,7 @@ def test_greedy_speculation_in_int8_equals_plain_int8_decoding():
     for factory, seed in ((llama, 1), (qwen2, 3), (gpt2, 5)):
         target = int8_model(factory, seed)
         for prompt in PROMPTS:
-            expected = collect(plain_decode(CachedLM(target), prompt, settings)).new_token_ids
+            expected = plain_ids(target, prompt, settings)
             drafters = {
                 "small-model": DraftModelDrafter(factory(seed + 1, layers=1), GREEDY, VOCAB),
                 "random-model": DraftModelDrafter(llama(99, layers=1), GREEDY, VOCAB),
@@ -92,7 +88,7 @@ def test_greedy_speculation_in_int8_equals_plain_int8_decoding():
 def test_length_limits_and_eos_in_int8():
     target = int8_model(qwen2, 3)
     prompt = PROMPTS[2]
-    full = collect(plain_decode(CachedLM(target), prompt, GenerationSettings(max_new_tokens=16))).new_token_ids
+    full = plain_ids(target, prompt, GenerationSettings(max_new_tokens=16))
     for limit in (1, 2, 5, 9, 16):
         drafter = DraftModelDrafter(qwen2(4, layers=1), GREEDY, VOCAB)
         final = collect(speculative_decode(CachedLM(target), drafter, FixedDraftLength(4), prompt,
@@ -100,10 +96,10 @@ def test_length_limits_and_eos_in_int8():
         assert final.new_token_ids == full[:limit]
     for eos_at in (0, 3, 8):
         eos = [full[eos_at]]
-        expected = collect(plain_decode(CachedLM(target), prompt, GenerationSettings(max_new_tokens=16), eos))
+        expected = plain_ids(target, prompt, GenerationSettings(max_new_tokens=16), eos)
         final = collect(speculative_decode(CachedLM(target), NgramDrafter(1, 3), FixedDraftLength(5), prompt,
                                            GenerationSettings(max_new_tokens=16), eos))
-        assert final.new_token_ids == expected.new_token_ids and final.finish_reason == "eos"
+        assert final.new_token_ids == expected and final.finish_reason == "eos"
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
@@ -114,7 +110,7 @@ def test_medusa_in_int8_equals_plain_int8_decoding(tree):
     assert weight.shape == (VOCAB, 64) and output_weight(target) is weight  # dequantised once per model
     settings = GenerationSettings(max_new_tokens=24)
     for prompt in PROMPTS:
-        expected = collect(plain_decode(CachedLM(target), prompt, settings)).new_token_ids
+        expected = plain_ids(target, prompt, settings)
         for budget in (3, 8):
             drafter = MedusaDrafter(heads, weight, GREEDY, VOCAB, tree=tree, top_width=3)
             policy = TreeBudget(k_max=budget) if tree else FixedDraftLength(budget)
