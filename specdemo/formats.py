@@ -10,9 +10,9 @@ pass would. Every piece of this format is chosen so that a token's row never dep
 
 - the matmul has no activation scale at all (weight-only quantisation; a per-tensor activation scale, as in
   ``torch.ao.quantization.quantize_dynamic``, would mix the rows);
-- attention runs row by row for passes over at most 65 tokens (:data:`ROW_WISE_MAX_QUERIES`): each query
-  attends to exactly the keys a one-token pass at its position would see, in the same call shape (see
-  :func:`row_wise_attention`);
+- attention computes every query alone for passes over at most 65 tokens (:data:`ROW_WISE_MAX_QUERIES`): each
+  query attends to exactly the keys a one-token pass at its position would see, padded to the same length, in a
+  call of the same shape (see :func:`row_wise_attention`);
 - norms, rotary embeddings and activations are per-row already.
 
 Prefills longer than :data:`ROW_WISE_MAX_QUERIES` use the stock attention; both sides of a race prefill the same
@@ -38,9 +38,12 @@ INT8 = "int8"
 INT8_ACTIVATIONS = torch.bfloat16
 #: the attention implementation registered with transformers for int8 targets
 ROW_WISE_ATTENTION = "specdemo_row_wise"
-#: passes over at most this many new tokens attend row by row: every verify pass (drafts are at most 64 tokens, plus
+#: passes over at most this many new tokens compute every query alone: every verify pass (drafts are at most 64 tokens, plus
 #: the last token) and Medusa tree; longer ones (prefills) use the stock kernel
 ROW_WISE_MAX_QUERIES = 65
+#: a query's keys are padded (masked) to a multiple of this many, in one-token passes and verify passes alike, so
+#: that the queries of a verify pass fall into at most two calls
+KEY_BUCKET = 64
 
 
 class Int8WeightLinear(nn.Module):
@@ -124,16 +127,47 @@ def output_weight(model: nn.Module) -> torch.Tensor:
     return weight
 
 
-def _allowed_keys(mask: torch.Tensor | None, batch: int, row: int, kv_length: int, q_length: int) -> torch.Tensor | int:
-    """The keys query ``row`` may see: a count (a causal prefix) or the indices (a tree mask)."""
-    if mask is None:
-        return kv_length - q_length + row + 1
-    line = mask[batch, 0, row, :kv_length]
-    allowed = line if line.dtype == torch.bool else line > torch.finfo(line.dtype).min / 2
-    count = int(allowed.sum())
-    if count and bool(allowed[:count].all()):
-        return count
-    return allowed.nonzero().squeeze(-1)
+def _visible_keys(mask: torch.Tensor | None, q_length: int, kv_length: int) -> torch.Tensor:
+    """Which keys each query of a pass may see, as a [q_length, kv_length] boolean grid."""
+    if mask is None:  # causal: query i sees the cached keys and the new ones up to itself
+        return torch.arange(kv_length) < torch.arange(kv_length - q_length + 1, kv_length + 1)[:, None]
+    grid = mask[0, 0, :, :kv_length]
+    return grid if grid.dtype == torch.bool else grid > torch.finfo(grid.dtype).min / 2
+
+
+def _attend_padded(
+    module: nn.Module,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    counts: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One SDPA call for ``r`` queries [r, heads, head_dim], each over the first ``counts[i]`` of its keys
+    [r or 1, kv_heads, padded, head_dim]; the rest are masked. Returns [r, heads, head_dim].
+
+    Each query is its own batch entry with the query heads of a key/value head as its rows, the layout
+    transformers uses for one-token passes, so the kernel computes every entry alone, the same way in every call.
+    """
+    rows, heads, head_dim = query.shape
+    kv_heads, padded = keys.shape[1], keys.shape[2]
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
+    mask = (torch.arange(padded) < counts[:, None]).view(rows, 1, 1, padded)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped, keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1), attn_mask=mask, scale=scaling
+    )
+    return out.reshape(rows, heads, head_dim)
+
+
+def _padded_length(count: int) -> int:
+    return -(-count // KEY_BUCKET) * KEY_BUCKET
+
+
+def _pad_keys(states: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` keys (or values) [1, kv_heads, n, head_dim], zero-padded when there are fewer."""
+    if states.shape[2] >= length:
+        return states[:, :, :length]
+    return torch.nn.functional.pad(states, (0, 0, 0, length - states.shape[2]))
 
 
 def row_wise_attention(
@@ -142,30 +176,42 @@ def row_wise_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Scaled dot-product attention computed one query at a time, each over exactly the keys it may see.
+    """Scaled dot-product attention in which every query is computed alone, over exactly the keys it may see.
 
     A query's result is then the same function of the same tensors whether its pass holds 1 or 16 tokens: the
     batch invariance exact speculative decoding needs (the stock kernels split and order their sums by the number
-    of queries). Long passes (prefills) and batches of several sequences go to the stock SDPA path.
+    of queries). Each query sees its keys as a one-token pass at its position would (the same keys in the same
+    order, gathered for tree masks), padded with masked zeros to a multiple of :data:`KEY_BUCKET`, so that a
+    one-token pass and the rows of a verify pass make calls of the same shape; queries whose padded lengths agree
+    share one call. Long passes (prefills) and batches of several sequences go to the stock SDPA path.
     """
     batch, _, q_length, _ = query.shape
     if q_length > ROW_WISE_MAX_QUERIES or batch != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     kv_length = key.shape[2]
-    rows = []
-    for row in range(q_length):
-        allowed = _allowed_keys(attention_mask, 0, row, kv_length, q_length)
-        if isinstance(allowed, int):
-            row_keys, row_values = key[:, :, :allowed].contiguous(), value[:, :, :allowed].contiguous()
-        else:
-            row_keys, row_values = key.index_select(2, allowed), value.index_select(2, allowed)
-        out, _ = sdpa_attention_forward(
-            module, query[:, :, row : row + 1], row_keys, row_values, None, **{**kwargs, "is_causal": False}
-        )
-        rows.append(out)
-    return torch.cat(rows, dim=1), None
+    visible = _visible_keys(attention_mask, q_length, kv_length)
+    counts = visible.sum(-1)
+    is_prefix = torch.equal(visible, torch.arange(kv_length) < counts[:, None])
+    lengths = [_padded_length(int(count)) for count in counts]
+    queries = query[0].transpose(0, 1)  # [q_length, heads, head_dim]
+    out = torch.empty_like(queries)
+    for length in sorted(set(lengths)):
+        rows = torch.tensor([row for row, row_length in enumerate(lengths) if row_length == length])
+        if is_prefix:  # a chain: every query reads a prefix of the same keys
+            row_keys, row_values = _pad_keys(key, length), _pad_keys(value, length)
+        else:  # a tree: each query's keys (the cached ones and its ancestors) gathered into one-token order
+            order = torch.full((len(rows), length), kv_length)
+            for slot, row in enumerate(rows.tolist()):
+                seen = visible[row].nonzero().squeeze(-1)
+                order[slot, : len(seen)] = seen
+            row_keys, row_values = (
+                _pad_keys(states, kv_length + 1)[0][:, order].transpose(0, 1) for states in (key, value)
+            )
+        out[rows] = _attend_padded(module, queries[rows], row_keys, row_values, counts[rows], scaling)
+    return out.unsqueeze(0), None
 
 
 AttentionInterface.register(ROW_WISE_ATTENTION, row_wise_attention)

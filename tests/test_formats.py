@@ -14,9 +14,10 @@ from specdemo.formats import (
     is_int8_format,
     output_rows,
     output_weight,
+    row_wise_attention,
     to_int8_format,
 )
-from specdemo.lm import CachedLM
+from specdemo.lm import CachedLM, tree_attention_mask
 from specdemo.medusa import MedusaDrafter
 from specdemo.models import (
     LoadedModel,
@@ -66,6 +67,27 @@ def test_a_verify_pass_gives_every_token_the_logits_of_a_one_token_pass(factory)
         verify = CachedLM(model)
         verify.forward(torch.tensor(prompt))
         assert torch.equal(verify.forward(torch.tensor(tokens[:k])), one_token[:k]), k
+
+
+@pytest.mark.parametrize("cached", [5, 58, 63, 64, 120, 250])
+def test_each_query_attends_as_in_a_one_token_pass(cached):
+    """The attention alone, chains and trees whose queries straddle a key bucket: each row of a pass is bit-equal
+    to a one-token pass over that query's keys (the cached ones, then its ancestors), as plain decoding makes it."""
+    torch.manual_seed(cached)
+    count, heads, kv_heads, head_dim = 12, 6, 2, 16
+    query = torch.randn(1, heads, count, head_dim, dtype=torch.bfloat16)
+    key, value = (torch.randn(1, kv_heads, cached + count, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    chain = list(range(-1, count - 1))
+    tree = [-1, 0, 0, 1, 1, 2, 3, 3, 4, 6, 7, 8]
+    for parents in (chain, tree):
+        mask = tree_attention_mask(parents, cached, torch.bfloat16, torch.device("cpu"))
+        out, _ = row_wise_attention(torch.nn.Module(), query, key, value, mask, scaling=0.25)
+        for row in range(count):
+            seen = (mask[0, 0, row] == 0).nonzero().squeeze(-1)
+            alone, _ = row_wise_attention(
+                torch.nn.Module(), query[:, :, row : row + 1], key[:, :, seen], value[:, :, seen], None, scaling=0.25
+            )
+            assert torch.equal(out[:, row], alone[:, 0]), (parents is tree, row)
 
 
 def test_greedy_speculation_in_int8_equals_plain_int8_decoding():
