@@ -49,8 +49,9 @@ logger = logging.getLogger(__name__)
 PASS_LENGTHS = (1, 2, 4, 8, 16)
 #: CPU instruction sets that decide what a bfloat16 or int8 pass costs
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
-#: bump when the measurement changes, so old cached curves are measured again
-CALIBRATION_VERSION = 1
+#: bump when the measurement (or what it measures: a format's kernels) changes, so old cached curves are measured
+#: again; 2: the int8 format's attention shares calls between the queries of a pass
+CALIBRATION_VERSION = 2
 
 
 @dataclass(frozen=True)

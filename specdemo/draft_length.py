@@ -19,6 +19,10 @@ GOOD_ACCEPTANCE = 0.8
 PAYING_MARGIN = 1.1
 #: where drafting can hardly pay, the share of plain-decoding time that probes (with the drafter's catch-up) may cost
 PROBE_BUDGET = 0.015
+#: a round whose drafter came back empty counts as one rejected draft token when the drafter's work took more than
+#: this share of the plain step beside it (a universal drafter's catch-up and drafting); an n-gram lookup that
+#: found nothing costs less and counts as a plain step
+EMPTY_DRAFT_SHARE = 0.05
 #: the gain a switch between drafting and plain decoding must promise
 SWITCH_MARGIN = 0.03
 #: a verify length's cost (and the draft's cost per token) is a low quantile of its latest measurements: slow
@@ -274,19 +278,15 @@ class CostAwareDraftLength:
         recent = self._verify_recent.setdefault(length, deque(maxlen=RECENT_PASSES))
         recent.append(verify_seconds)
         self._verify_time[length] = _low_quantile(recent)
-        if drafted == 0:
-            self._rounds_since_draft += 1
+        if drafted == 0 and self.k > 0 and draft_seconds + catch_up_seconds > EMPTY_DRAFT_SHARE * verify_seconds:
+            # the drafter worked (caught up, drafted) and came back empty (a universal drafter's text that maps to no
+            # target token): a draft of one token, rejected, or the policy would keep paying for nothing
+            drafted = 1
+        elif drafted == 0:
+            self._rounds_since_draft += 1  # a plain step, or a lookup that found nothing and cost nothing
             self._plain_seconds_since_draft += verify_seconds
             return
-        if catch_up_seconds > 0 and self._rounds_since_draft > 0:
-            per_token = catch_up_seconds / self._rounds_since_draft
-            previous = self._catch_up_per_token
-            self._catch_up_per_token = per_token if previous is None else 0.7 * previous + 0.3 * per_token
-        self._rounds_since_draft = 0
-        self._plain_seconds_since_draft = 0.0
-        if self._probing:  # the pace comes back only when drafting pays again (see next_length)
-            self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
-        self._probing = False
+        self._end_drafting_pause(catch_up_seconds)
         self._draft_recent.append(draft_seconds / drafted)
         self._draft_time_per_token = _low_quantile(self._draft_recent)
         self._accepted = self.decay * self._accepted + accepted
@@ -298,6 +298,20 @@ class CostAwareDraftLength:
             self._tested_at[position] += 1.0
             if position < accepted:
                 self._passed_at[position] += 1.0
+
+
+    def _end_drafting_pause(self, catch_up_seconds: float) -> None:
+        """The drafter had a round (drafts or a probe): book its catch-up per plain step it sat out, and restart
+        the count of plain steps; a probe doubles the wait for the next one."""
+        if catch_up_seconds > 0 and self._rounds_since_draft > 0:
+            per_token = catch_up_seconds / self._rounds_since_draft
+            previous = self._catch_up_per_token
+            self._catch_up_per_token = per_token if previous is None else 0.7 * previous + 0.3 * per_token
+        self._rounds_since_draft = 0
+        self._plain_seconds_since_draft = 0.0
+        if self._probing:  # the pace comes back only when drafting pays again (see next_length)
+            self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
+        self._probing = False
 
 
 class TreeBudget(CostAwareDraftLength):

@@ -19,13 +19,14 @@ import functools
 import json
 import logging
 import re
+from dataclasses import replace
 from typing import Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .drafters import Proposal, RoundResult, int8_copy, int8_head
-from .lm import CachedLM, TargetPass
+from .lm import CachedLM, TargetPass, now
 from .sampling import SamplingSettings, target_distribution
 
 logger = logging.getLogger(__name__)
@@ -261,11 +262,18 @@ class UniversalDrafter:
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
-        if max_tokens <= 0 or not self._sync_text(context) or not self.stream:
+        if max_tokens <= 0:
+            return Proposal()
+        started = now(self.lm.device)
+        if not self._sync_text(context) or not self.stream:
             return Proposal()
         feed = self._sync_cache()
+        if feed.numel() > 2:  # text written since the last round: catch up in a pass of its own, booked apart
+            self.lm.hidden_states(feed[:-1])  # the cache is all a catch-up needs: no LM head
+            feed = feed[-1:]
+        catch_up_seconds = now(self.lm.device) - started  # with the text sync: it too grows with the text behind
         if self.shared is not None:
-            return self._propose_shared(feed, max_tokens)
+            return replace(self._propose_shared(feed, max_tokens), catch_up_seconds=catch_up_seconds)
         drafted: list[int] = []
         # draft tokens rarely map one to one; a few extra draft tokens give about max_tokens target tokens
         for step in range(max_tokens + 1):
@@ -283,13 +291,13 @@ class UniversalDrafter:
         anchor = self.stream[-4:]
         draft_text = text_after(self.draft_tokenizer, anchor, drafted)
         if not draft_text:
-            return Proposal()
+            return Proposal(catch_up_seconds=catch_up_seconds)
         draft_text = draft_text.rstrip(_REPLACEMENT)
         tokens = to_target_tokens(self.target_tokenizer, context, draft_text)
         ended = drafted[-1] in self.draft_eos_ids
         if not ended and len(tokens) > 1:
             tokens = tokens[:-1]  # the last piece may be a word cut short: the target would merge it further
-        return Proposal(tokens[:max_tokens], None)
+        return Proposal(tokens[:max_tokens], None, catch_up_seconds)
 
     def _propose_shared(self, feed: torch.Tensor, max_tokens: int) -> Proposal:
         """Sample k draft tokens from the shared vocabulary; each is one target token, with its probability row."""

@@ -203,6 +203,37 @@ def test_adaptive_policy_backs_off_probes_that_keep_failing():
     assert policy.next_length() > 0 and policy._probe_interval == policy.probe_every
 
 
+def test_a_draft_that_comes_back_empty_counts_as_rejected():
+    """A universal drafter can work (catch up, draft) and still return no target token: that round counts as a
+    rejected draft, so the next probe waits its turn instead of coming the very next round, and a policy that
+    was drafting learns that it pays for nothing; a free lookup that found nothing is a plain step."""
+    for work, expect_spent in ((0.02, True), (0.0, False)):
+        policy = CostAwareDraftLength()
+        policy.update(4, 0, 0.2, 0.1)
+        policy.update(0, 0, 0.0, 0.1)
+        policy._rounds = 2
+        lengths = []
+        for _ in range(40):
+            k = policy.next_length()
+            lengths.append(k)
+            policy.update(0, 0, work if k else 0.0, 0.1, catch_up_seconds=work / 2 if k else 0.0)
+        probes = [index for index, k in enumerate(lengths) if k]
+        if expect_spent:  # 8 plain steps, then 16, then 32 between probes
+            assert probes[1] - probes[0] == 2 * policy.probe_every + 1, lengths
+            assert policy._catch_up_per_token is not None
+        else:  # the probe stays open until the drafter proposes something
+            assert probes == list(range(probes[0], 40)), lengths
+    drafting = CostAwareDraftLength()
+    for _ in range(10):
+        k = drafting.next_length()
+        drafting.update(k, k, 0.001 * k, 0.1 + 0.001 * k)  # cheap drafts, all accepted
+    assert drafting.next_length() > 0
+    for _ in range(30):  # then the drafter works and proposes nothing, round after round
+        k = drafting.next_length()
+        drafting.update(0, 0, 0.02 if k else 0.0, 0.1)
+    assert drafting.next_length() == 0 and drafting.acceptance < 0.5
+
+
 def test_verify_cost_fit_shrugs_off_one_noisy_length():
     policy = CostAwareDraftLength()
     for length, seconds in [(1, 0.10), (3, 0.10), (5, 0.10), (7, 0.30), (9, 0.10), (13, 0.11)]:
