@@ -60,6 +60,7 @@ from .pipeline import (
     plain_events,
     release_models,
     spec_events,
+    uag_draft_int8,
 )
 from .presets import PRESETS, PairPreset, default_preset_key
 from .prompts import Prompt, PromptFileError, load_prompts
@@ -489,8 +490,8 @@ class Racer:
         if config.calibrate:
             report(1.0, "Measuring what a pass costs on this machine (once per model and format)")
             try:
-                # uag drafts in the draft's own dtype unless asked otherwise (see make_drafter)
-                draft_int8 = False if spec.mode == "uag" else spec.draft_int8
+                # uag drafts in the draft's own dtype unless beside an int8 target or asked otherwise
+                draft_int8 = uag_draft_int8(spec, target, draft) if spec.mode == "uag" else spec.draft_int8
                 prepared.calibration = calibrate(target, draft, draft_int8=draft_int8)
             except (RuntimeError, ValueError, OSError):  # the race runs without the chart
                 logger.exception("Calibration failed")

@@ -164,3 +164,17 @@ def test_every_verify_pass_fits_the_row_wise_attention():
     assert 64 + 1 <= ROW_WISE_MAX_QUERIES  # the longest draft plus the last token
     with pytest.raises(InputError, match="between 1 and 64"):
         SpecSettings(max_draft_length=65).validate()
+
+
+def test_a_universal_drafter_beside_an_int8_target_drafts_in_int8():
+    from specdemo.pipeline import SpecSettings, uag_draft_int8
+
+    cpu = torch.device("cpu")
+    int8 = LoadedModel("tiny", int8_model(llama, 1), None, cpu, torch.bfloat16, LoadSettings(dtype="int8"))
+    bf16 = LoadedModel("tiny", llama(1).to(torch.bfloat16), None, cpu, torch.bfloat16, LoadSettings(dtype="bf16"))
+    draft = LoadedModel("draft", llama(2), None, cpu, torch.float32, LoadSettings())
+    uag = SpecSettings(mode="uag")
+    assert uag_draft_int8(uag, int8, draft) and not uag_draft_int8(uag, bf16, draft)
+    assert not uag_draft_int8(SpecSettings(mode="uag", draft_int8=False), int8, draft)
+    assert uag_draft_int8(SpecSettings(mode="uag", draft_int8=True), bf16, draft)
+
