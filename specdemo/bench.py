@@ -464,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-draft-tokens", default="adaptive", help="k, 'adaptive' (cost-aware) or 'heuristic' (+2/-1)")
     parser.add_argument("--max-draft-tokens", type=int, default=12, help="upper bound for adaptive policies")
     parser.add_argument("--draft-head-tokens", type=int, default=None, help="restrict the draft LM head to N frequent ids (0 = full; default auto)")
-    parser.add_argument("--draft-int8", choices=["auto", "on", "off"], default="auto", help="draft with an int8 copy of the draft model (auto: on for a CPU draft)")
+    parser.add_argument("--draft-int8", choices=["auto", "on", "off"], default="auto", help="draft with an int8 copy of the draft model (auto: on for a CPU draft; for uag, only beside an int8 target)")
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument(

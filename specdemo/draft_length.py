@@ -299,7 +299,6 @@ class CostAwareDraftLength:
             if position < accepted:
                 self._passed_at[position] += 1.0
 
-
     def _end_drafting_pause(self, catch_up_seconds: float) -> None:
         """The drafter had a round (drafts or a probe): book its catch-up per plain step it sat out, and restart
         the count of plain steps; a probe doubles the wait for the next one."""

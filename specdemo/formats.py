@@ -38,8 +38,8 @@ INT8 = "int8"
 INT8_ACTIVATIONS = torch.bfloat16
 #: the attention implementation registered with transformers for int8 targets
 ROW_WISE_ATTENTION = "specdemo_row_wise"
-#: passes over at most this many new tokens compute every query alone: every verify pass (drafts are at most 64 tokens, plus
-#: the last token) and Medusa tree; longer ones (prefills) use the stock kernel
+#: passes over at most this many new tokens compute every query alone: every verify pass (drafts are at most 64
+#: tokens, plus the last token) and Medusa tree; longer ones (prefills) use the stock kernel
 ROW_WISE_MAX_QUERIES = 65
 #: a query's keys are padded (masked) to a multiple of this many, in one-token passes and verify passes alike, so
 #: that the queries of a verify pass fall into at most two calls
