@@ -281,6 +281,17 @@ def _auto_head_tokens(vocab_size: int) -> int:
     return 32768 if vocab_size > 65536 else 0
 
 
+def catch_up(lm: CachedLM, feed: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Feed a draft the ids it is behind on (more than the last round's bonus and correction: text written during
+    plain steps) in a pass of its own, without an LM head; returns the last id, still to feed, and the seconds the
+    pass took. With two ids or fewer behind, nothing is run: ``(feed, 0.0)``."""
+    if feed.numel() <= 2:
+        return feed, 0.0
+    started = now(lm.device)
+    lm.hidden_states(feed[:-1])  # the cache is all a catch-up needs: no LM head
+    return feed[-1:], now(lm.device) - started
+
+
 class DraftModelDrafter:
     """A small causal LM with the target's tokenizer drafts k tokens one by one.
 
@@ -396,13 +407,7 @@ class DraftModelDrafter:
     def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
         if max_tokens <= 0:
             return Proposal()
-        feed = self._sync(context)
-        catch_up_seconds = 0.0
-        if feed.numel() > 2:  # more than the last round's bonus and correction: catch up in a pass of its own
-            started = now(self.lm.device)
-            self.lm.hidden_states(feed[:-1])  # the cache is all a catch-up needs: no LM head
-            feed = feed[-1:]
-            catch_up_seconds = now(self.lm.device) - started
+        feed, catch_up_seconds = catch_up(self.lm, self._sync(context))
         tokens: list[int] = []
         prob_rows: list[torch.Tensor] = []
         for step in range(max_tokens):

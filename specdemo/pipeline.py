@@ -16,7 +16,7 @@ from .calibration import CostCurve
 from .draft_length import DraftLengthPolicy, TreeBudget, make_policy
 from .drafters import NGRAM_PREFERENCES, DraftModelDrafter, Drafter, NgramDrafter
 from .engine import GenerationSettings, RoundEvent, plain_decode, seeded_generator, speculative_decode
-from .formats import is_int8_format, output_rows, output_weight
+from .formats import ROW_WISE_MAX_QUERIES, is_int8_format, output_rows, output_weight
 from .lm import CachedLM
 from .medusa import MedusaDrafter, MedusaHeads, MedusaLoadError, load_heads, shipped_heads_for
 from .memory import return_free_memory
@@ -50,6 +50,10 @@ class InputError(ValueError):
         self.field = field
 
 
+#: the longest draft: its verify pass (the draft and the last token) fits the int8 format's per-query attention
+MAX_DRAFT_LENGTH = ROW_WISE_MAX_QUERIES - 1
+
+
 @dataclass(frozen=True)
 class SpecSettings:
     """How the speculative side drafts."""
@@ -69,8 +73,10 @@ class SpecSettings:
         if self.mode not in SPEC_MODES:
             raise InputError(f"unknown mode {self.mode!r}; choose one of: {', '.join(SPEC_MODES)}")
         make_policy(self.draft_length, self.max_draft_length)
-        if not 1 <= self.max_draft_length <= 64:
-            raise InputError(f"the longest draft must be between 1 and 64 tokens, got {self.max_draft_length}")
+        if not 1 <= self.max_draft_length <= MAX_DRAFT_LENGTH:
+            raise InputError(
+                f"the longest draft must be between 1 and {MAX_DRAFT_LENGTH} tokens, got {self.max_draft_length}"
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InputError(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
         if self.ngram_prefer not in NGRAM_PREFERENCES:

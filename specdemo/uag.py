@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .drafters import Proposal, RoundResult, int8_copy, int8_head
+from .drafters import Proposal, RoundResult, catch_up, int8_copy, int8_head
 from .lm import CachedLM, TargetPass, now
 from .sampling import SamplingSettings, target_distribution
 
@@ -268,10 +268,9 @@ class UniversalDrafter:
         if not self._sync_text(context) or not self.stream:
             return Proposal()
         feed = self._sync_cache()
-        if feed.numel() > 2:  # text written since the last round: catch up in a pass of its own, booked apart
-            self.lm.hidden_states(feed[:-1])  # the cache is all a catch-up needs: no LM head
-            feed = feed[-1:]
-        catch_up_seconds = now(self.lm.device) - started  # with the text sync: it too grows with the text behind
+        synced = now(self.lm.device)
+        feed, pass_seconds = catch_up(self.lm, feed)
+        catch_up_seconds = synced - started + pass_seconds  # the text sync too grows with the text behind
         if self.shared is not None:
             return replace(self._propose_shared(feed, max_tokens), catch_up_seconds=catch_up_seconds)
         drafted: list[int] = []

@@ -185,11 +185,18 @@ def test_adaptive_policy_goes_long_for_free_all_or_nothing_drafts():
     assert acceptance[0] < 0.7 and min(acceptance[1:6]) > 0.8  # the first position decides, the rest follow
 
 
-def test_adaptive_policy_backs_off_probes_that_keep_failing():
+def paused_policy() -> CostAwareDraftLength:
+    """An adaptive policy whose first drafts were slow and all rejected, then a plain step: it decodes plainly and
+    probes now and then."""
     policy = CostAwareDraftLength()
     policy.update(4, 0, 0.2, 0.1)
     policy.update(0, 0, 0.0, 0.1)
     policy._rounds = 2
+    return policy
+
+
+def test_adaptive_policy_backs_off_probes_that_keep_failing():
+    policy = paused_policy()
     probes = []
     for round_index in range(200):
         k = policy.next_length()
@@ -208,10 +215,7 @@ def test_a_draft_that_comes_back_empty_counts_as_rejected():
     rejected draft, so the next probe waits its turn instead of coming the very next round, and a policy that
     was drafting learns that it pays for nothing; a free lookup that found nothing is a plain step."""
     for work, expect_spent in ((0.02, True), (0.0, False)):
-        policy = CostAwareDraftLength()
-        policy.update(4, 0, 0.2, 0.1)
-        policy.update(0, 0, 0.0, 0.1)
-        policy._rounds = 2
+        policy = paused_policy()
         lengths = []
         for _ in range(40):
             k = policy.next_length()

@@ -140,10 +140,18 @@ def test_medusa_in_int8_equals_plain_int8_decoding(tree):
             assert final.new_token_ids == expected, (prompt, budget)
 
 
+def loaded_targets() -> tuple[LoadedModel, LoadedModel]:
+    """The same tiny target loaded in the int8 format and in bfloat16, on the CPU."""
+    cpu = torch.device("cpu")
+    return (
+        LoadedModel("tiny", int8_model(llama, 1), None, cpu, torch.bfloat16, LoadSettings(dtype="int8")),
+        LoadedModel("tiny", llama(1).to(torch.bfloat16), None, cpu, torch.bfloat16, LoadSettings(dtype="bf16")),
+    )
+
+
 def test_format_names():
     cpu = torch.device("cpu")
-    int8 = LoadedModel("tiny", int8_model(llama, 1), None, cpu, torch.bfloat16, LoadSettings(dtype="int8"))
-    bf16 = LoadedModel("tiny", llama(1).to(torch.bfloat16), None, cpu, torch.bfloat16, LoadSettings(dtype="bf16"))
+    int8, bf16 = loaded_targets()
     assert int8.format == "int8" and bf16.format == "bfloat16"
     assert cache_key("tiny:x", LoadSettings(dtype="int8"))[1] == "int8"
     assert resolve_format("int8", cpu) == "int8" and resolve_dtype("int8", cpu) == torch.bfloat16
@@ -170,8 +178,7 @@ def test_a_universal_drafter_beside_an_int8_target_drafts_in_int8():
     from specdemo.pipeline import SpecSettings, uag_draft_int8
 
     cpu = torch.device("cpu")
-    int8 = LoadedModel("tiny", int8_model(llama, 1), None, cpu, torch.bfloat16, LoadSettings(dtype="int8"))
-    bf16 = LoadedModel("tiny", llama(1).to(torch.bfloat16), None, cpu, torch.bfloat16, LoadSettings(dtype="bf16"))
+    int8, bf16 = loaded_targets()
     draft = LoadedModel("draft", llama(2), None, cpu, torch.float32, LoadSettings())
     uag = SpecSettings(mode="uag")
     assert uag_draft_int8(uag, int8, draft) and not uag_draft_int8(uag, bf16, draft)
