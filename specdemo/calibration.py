@@ -114,10 +114,15 @@ def detect_hardware(device: torch.device) -> Hardware:
 
 
 def _kernel_isa() -> str:
-    """What the CPU kernels use: torch's dispatch level, and oneDNN's limit if the environment sets one."""
-    capability = torch.backends.cpu.get_cpu_capability()
+    """What the CPU kernels use: torch's dispatch level, and oneDNN's and FBGEMM's limits if the environment sets
+    them."""
+    isa = torch.backends.cpu.get_cpu_capability()
     limit = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-    return f"{capability}, oneDNN up to {limit}" if limit else capability
+    if limit:
+        isa += f", oneDNN up to {limit}"
+    if fbgemm := os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS"):
+        isa += f", FBGEMM up to {fbgemm}"
+    return isa
 
 
 @dataclass
@@ -399,7 +404,7 @@ def _cache_json(path: Path, data: dict[str, Any]) -> None:
 
 #: the formats ``auto`` chooses among on a CPU (float32 is left out: its one-token pass costs two to three times a
 #: bfloat16 one on both classes of CPU measured, so it is never the fastest)
-AUTO_FORMATS = ("int8", "bfloat16")
+AUTO_FORMATS = ("w8a8", "int8", "bfloat16")
 #: "speculation can pay" in a format: a free drafter right 80 % of the time beats plain decoding by 10 % at some
 #: draft length (the draft-length policy's own test, see :meth:`DraftLengthPolicy.drafting_could_pay`)
 PAYING_ACCEPTANCE = 0.8

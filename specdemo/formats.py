@@ -1,4 +1,7 @@
-"""The int8 target format: int8 weights, bfloat16 activations, float32 accumulation, batch-invariant passes.
+"""The CPU target formats with int8 weights, both batch-invariant: ``int8`` and ``w8a8``.
+
+``int8``: int8 weights, bfloat16 activations, float32 accumulation. ``w8a8``: int8 weights and int8 activations with
+one scale per token, int32 accumulation, float32 everywhere else (see :class:`W8A8Linear`).
 
 On a CPU a one-token pass is bound by reading the weights. Stored as int8 (one scale per output channel), they
 halve the bytes of bfloat16; PyTorch's ``aten._weight_int8pack_mm`` kernel (the one torch.compile lowers weight-only
@@ -17,16 +20,24 @@ pass would. Every piece of this format is chosen so that a token's row never dep
 
 Prefills longer than :data:`ROW_WISE_MAX_QUERIES` use the stock attention; both sides of a race prefill the same
 prompt in the same call, so they agree there too.
+
+``w8a8`` is the same design with a different matmul: FBGEMM's int8 GEMM (PyTorch's ``quantized`` ops, as the
+draft's dynamic quantisation uses), which multiplies int8 by int8 with int32 sums. Integer sums are exact in any
+order, so the only thing that could mix rows is the activation scale, and :class:`W8A8Linear` gives each token its
+own. On CPUs without AVX-512 its cost grows far more slowly with the rows of a pass than the weight-only kernel's,
+which turns float32 multiply-adds over four rows at a time into the bottleneck.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.pytorch_utils import Conv1D
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -36,6 +47,16 @@ logger = logging.getLogger(__name__)
 INT8 = "int8"
 #: the activation dtype of the int8 format
 INT8_ACTIVATIONS = torch.bfloat16
+#: the name of the format with int8 weights and int8 activations (a scale per token)
+W8A8 = "w8a8"
+#: the activation dtype of the w8a8 format between its matmuls
+W8A8_ACTIVATIONS = torch.float32
+#: a token's activations are scaled by their largest magnitude and rounded to this many steps each side of zero:
+#: 7-bit values, so that AVX2's int8 multiply (pairs of unsigned 8-bit by signed 8-bit products summed into 16 bits)
+#: cannot saturate, the reason FBGEMM's ``reduce_range`` exists; the same grid on every CPU
+W8A8_STEPS = 63
+#: the zero point of the activation grid in FBGEMM's unsigned 8-bit activations
+W8A8_ZERO_POINT = 64
 #: the attention implementation registered with transformers for int8 targets
 ROW_WISE_ATTENTION = "specdemo_row_wise"
 #: passes over at most this many new tokens compute every query alone: every verify pass (drafts are at most 64
@@ -53,7 +74,7 @@ class Int8WeightLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        weight = linear.weight.detach().float()
+        weight = linear.weight.detach().to(INT8_ACTIVATIONS).float()
         scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
         self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(INT8_ACTIVATIONS))
@@ -75,37 +96,146 @@ class Int8WeightLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
 
 
+class W8A8Linear(nn.Module):
+    """A linear layer with int8 weights (symmetric, one scale per output channel) and int8 activations with one
+    scale per token (its largest magnitude), multiplied with int32 sums by FBGEMM; float32 in and out.
+
+    A token's row is divided by its own scale, quantised on a fixed 7-bit grid (:data:`W8A8_STEPS`) and multiplied
+    back after the matmul, so nothing in it depends on the other rows of the pass; the bias is added last. With
+    ``two_parts`` a row goes in as two 7-bit rows of the same call, its rounded values and what rounding left
+    (scaled up by ``2 * W8A8_STEPS``), for about 14 bits of activation at the cost of twice the rows: the layers
+    whose inputs have outlier channels (an MLP's down projection, the LM head) need it."""
+
+    def __init__(self, linear: nn.Linear, two_parts: bool = False) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.two_parts = two_parts
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+        zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        with warnings.catch_warnings():  # quantised tensors are deprecated, the FBGEMM ops that take them are not
+            warnings.simplefilter("ignore")
+            qweight = torch.quantize_per_channel(weight, scale.double(), zero_points, 0, torch.qint8)
+            with _fbgemm_engine():
+                self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().to(W8A8_ACTIVATIONS))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, self.in_features).to(W8A8_ACTIVATIONS)
+        token_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(W8A8_ACTIVATIONS).tiny)
+        steps = rows / token_scale * W8A8_STEPS  # in [-63, 63]
+        if self.two_parts:
+            rounded = torch.round(steps)
+            steps = torch.cat([rounded, (steps - rounded) * (2 * W8A8_STEPS)])  # the rest, in [-63, 63] too
+        out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            steps / W8A8_STEPS, 1.0 / W8A8_STEPS, W8A8_ZERO_POINT, self.packed
+        )
+        if self.two_parts:
+            count = rows.shape[0]
+            out = out[:count] + out[count:] / (2 * W8A8_STEPS)
+        out = out * token_scale
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*hidden.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights as float32 (what the int8 values and scales stand for)."""
+        weight, _ = self.packed.unpack()
+        return weight.dequantize()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations"
+
+
+class _fbgemm_engine:
+    """Pack weights for FBGEMM whatever the process's quantised engine is (``x86`` may pick oneDNN, whose AVX2 path
+    saturates on 8-bit activations); the engine is set back afterwards."""
+
+    def __enter__(self) -> None:
+        self.previous = torch.backends.quantized.engine
+        torch.backends.quantized.engine = "fbgemm"
+
+    def __exit__(self, *exc: object) -> None:
+        torch.backends.quantized.engine = self.previous
+
+
+#: the layers each int8-weight format replaces linear layers with, and its activation dtype
+_FORMAT_LAYERS: dict[str, tuple[type[nn.Module], torch.dtype]] = {
+    INT8: (Int8WeightLinear, INT8_ACTIVATIONS),
+    W8A8: (W8A8Linear, W8A8_ACTIVATIONS),
+}
+
+
 def int8_kernel_available() -> bool:
     """Whether this torch build has the CPU weight-only int8 kernel."""
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
-def to_int8_format(model: PreTrainedModel) -> PreTrainedModel:
-    """Turn a CPU model into the int8 format in place: every linear layer (LM head included) int8, everything else
-    bfloat16, attention row-wise for short passes. Returns the model."""
-    model.to(INT8_ACTIVATIONS)
+def w8a8_kernel_available() -> bool:
+    """Whether this torch build has FBGEMM's int8 GEMM (x86 CPUs; not on ARM builds)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+        torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32"
+    )
+
+
+def to_int8_format(model: PreTrainedModel, fmt: str = INT8) -> PreTrainedModel:
+    """Turn a CPU model into ``fmt`` (:data:`INT8` or :data:`W8A8`) in place: every linear layer (LM head included)
+    int8, everything else in the format's activation dtype, attention row-wise for short passes. Returns the
+    model."""
+    layer, activations = _FORMAT_LAYERS[fmt]
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is getattr(model.get_input_embeddings(), "weight", None)
+    hidden_size = getattr(model.config, "hidden_size", None)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8WeightLinear(child))
-    if tied:  # the embedding keeps its bfloat16 table; the head is an int8 copy, so they are no longer tied
+            if isinstance(child, (nn.Linear, Conv1D)):  # quantised from the weights as loaded, a layer at a time
+                linear = _as_linear(child)
+                if layer is W8A8Linear:
+                    setattr(parent, name, W8A8Linear(linear, two_parts=child is head or _narrows(linear, hidden_size)))
+                else:
+                    setattr(parent, name, layer(linear))
+    model.to(activations)
+    if tied:  # the embedding keeps its table; the head is an int8 copy, so they are no longer tied
         model.config.tie_word_embeddings = False
     model.set_attn_implementation(ROW_WISE_ATTENTION)
     return model
 
 
-def is_int8_format(model: nn.Module) -> bool:
-    """Whether ``model`` is in the int8 format (its LM head is an :class:`Int8WeightLinear`)."""
+def _narrows(linear: nn.Linear, hidden_size: int | None) -> bool:
+    """Whether ``linear`` maps a wider space back to the model's width: an MLP's down projection, whose input
+    (an activation times a gate) has the outlier channels that 7-bit activations lose (measured on
+    Qwen2.5-Coder-1.5B: two thirds of w8a8's divergence from float32 came from those layers, a fifth from the head)."""
+    return linear.in_features > (hidden_size or linear.out_features)
+
+
+def _as_linear(layer: nn.Linear | Conv1D) -> nn.Linear:
+    """``layer`` as an ``nn.Linear`` (GPT-2's ``Conv1D`` is a linear layer with its weight stored transposed)."""
+    if isinstance(layer, nn.Linear):
+        return layer
+    linear = nn.Linear(layer.nx, layer.nf, device="meta")
+    linear.weight = nn.Parameter(layer.weight.detach().t().contiguous(), requires_grad=False)
+    linear.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
+    return linear
+
+
+def int8_format_of(model: nn.Module) -> str | None:
+    """The int8-weight format ``model`` is in (:data:`INT8` or :data:`W8A8`, told by its LM head), else None."""
     get_head = getattr(model, "get_output_embeddings", None)
-    return callable(get_head) and isinstance(get_head(), Int8WeightLinear)
+    head = get_head() if callable(get_head) else None
+    return next((fmt for fmt, (layer, _) in _FORMAT_LAYERS.items() if isinstance(head, layer)), None)
+
+
+def is_int8_format(model: nn.Module) -> bool:
+    """Whether ``model`` is in one of the int8-weight formats."""
+    return int8_format_of(model) is not None
 
 
 def output_rows(model: nn.Module) -> int:
     """The number of rows (vocabulary entries) the model's LM head scores."""
     head = model.get_output_embeddings()
-    if isinstance(head, Int8WeightLinear):
+    if isinstance(head, (Int8WeightLinear, W8A8Linear)):
         return head.out_features
     return int(head.weight.shape[0])
 
@@ -115,9 +245,10 @@ _DEQUANTIZED_HEADS: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor]" = weakr
 
 
 def output_weight(model: nn.Module) -> torch.Tensor:
-    """The LM head's weight matrix; for the int8 format a bfloat16 copy, made once per model."""
+    """The LM head's weight matrix; for the int8-weight formats a copy in the activation dtype, made once per
+    model."""
     head = model.get_output_embeddings()
-    if not isinstance(head, Int8WeightLinear):
+    if not isinstance(head, (Int8WeightLinear, W8A8Linear)):
         return head.weight.detach()
     weight = _DEQUANTIZED_HEADS.get(model)
     if weight is None:

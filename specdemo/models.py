@@ -41,9 +41,9 @@ _DTYPES: dict[str, torch.dtype] = {
     "float": torch.float32,
 }
 
-#: the number formats a target can run in: a torch dtype, or the int8 format (int8 weights, bfloat16 activations;
-#: CPU only, see :mod:`specdemo.formats`)
-FORMATS = ("bfloat16", "float16", "float32", formats.INT8)
+#: the number formats a target can run in: a torch dtype, or an int8-weight format (CPU only, see
+#: :mod:`specdemo.formats`): int8 (bfloat16 activations) or w8a8 (int8 activations with a scale per token)
+FORMATS = ("bfloat16", "float16", "float32", formats.INT8, formats.W8A8)
 
 
 class ModelLoadError(Exception):
@@ -73,8 +73,8 @@ class LoadedModel:
 
     @property
     def format(self) -> str:
-        """The number format the model runs in, as --dtype spells it: ``int8`` or the dtype's name."""
-        return formats.INT8 if formats.is_int8_format(self.model) else str(self.dtype).removeprefix("torch.")
+        """The number format the model runs in, as --dtype spells it: ``int8``, ``w8a8`` or the dtype's name."""
+        return formats.int8_format_of(self.model) or str(self.dtype).removeprefix("torch.")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -150,12 +150,14 @@ def resolve_format(name: str, device: torch.device) -> str:
         if device.type == "mps":
             return "float16"
         return "bfloat16"
-    if text == formats.INT8:
+    if text in (formats.INT8, formats.W8A8):
         if device.type != "cpu":
-            raise ModelLoadError("the int8 format is for CPU targets; on a GPU use --load-in 8bit")
-        if not formats.int8_kernel_available():
+            raise ModelLoadError(f"the {text} format is for CPU targets; on a GPU use --load-in 8bit")
+        if text == formats.INT8 and not formats.int8_kernel_available():
             raise ModelLoadError("the int8 format needs a torch build with the weight-only int8 CPU kernel")
-        return formats.INT8
+        if text == formats.W8A8 and not formats.w8a8_kernel_available():
+            raise ModelLoadError("the w8a8 format needs a torch build with FBGEMM (x86 CPUs)")
+        return text
     try:
         return str(_DTYPES[text]).removeprefix("torch.")
     except KeyError:
@@ -163,17 +165,20 @@ def resolve_format(name: str, device: torch.device) -> str:
 
 
 def draft_dtype(name: str) -> str:
-    """The dtype a draft loads in beside a target in ``name``: drafts of an int8 target load in bfloat16 and make
-    their own int8 copy (see :func:`specdemo.drafters.int8_copy`); a draft's rows need no batch invariance."""
-    return "bfloat16" if (name or "").strip().lower() == formats.INT8 else name
+    """The dtype a draft loads in beside a target in ``name``: drafts of an int8-weight target load in bfloat16 and
+    make their own int8 copy (see :func:`specdemo.drafters.int8_copy`); a draft's rows need no batch invariance."""
+    return "bfloat16" if (name or "").strip().lower() in (formats.INT8, formats.W8A8) else name
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The activation dtype of the format ``name`` resolves to on ``device`` (bfloat16 for int8)."""
+    """The activation dtype of the format ``name`` resolves to on ``device`` (bfloat16 for int8, float32 for
+    w8a8)."""
     return _activation_dtype(resolve_format(name, device))
 
 
 def _activation_dtype(fmt: str) -> torch.dtype:
+    if fmt == formats.W8A8:
+        return formats.W8A8_ACTIVATIONS
     return formats.INT8_ACTIVATIONS if fmt == formats.INT8 else _DTYPES[fmt]
 
 
@@ -411,7 +416,9 @@ def _load_uncached(
         if offline_mode:
             common["local_files_only"] = True
 
-    model_kwargs: dict[str, Any] = {"dtype": dtype, **common}
+    key_format = resolve_format(settings.dtype, device)
+    # w8a8 quantises its linear layers from bfloat16 weights (half the memory of float32 while it converts)
+    model_kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if key_format == formats.W8A8 else dtype, **common}
     if settings.quantization is not None:
         from transformers import BitsAndBytesConfig
 
@@ -425,10 +432,11 @@ def _load_uncached(
     elif device.type == "cuda":
         model_kwargs["device_map"] = {"": device}  # straight onto the GPU, no CPU copy
 
-    key_format = resolve_format(settings.dtype, device)
     quant_note = f", {settings.quantization}" if settings.quantization else ""
     if key_format == formats.INT8:
         quant_note += ", int8 weights"
+    elif key_format == formats.W8A8:
+        quant_note += ", int8 weights and activations"
     logger.info("Loading %s (%s, %s%s)", source, device, dtype, quant_note)
     if on_progress is not None:
         on_progress(0.0, f"Loading {source}")
@@ -445,8 +453,8 @@ def _load_uncached(
     if "device_map" not in model_kwargs:
         model = model.to(device)
     model.eval()
-    if key_format == formats.INT8:
-        formats.to_int8_format(model)
+    if key_format in (formats.INT8, formats.W8A8):
+        formats.to_int8_format(model, key_format)
     _fill_special_ids(model, tokenizer)
     if on_progress is not None:
         on_progress(1.0, f"Loaded {source}")

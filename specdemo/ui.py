@@ -93,7 +93,7 @@ TIME_BUDGET = "time budget"
 
 Loader = Callable[..., LoadedModel]  # load_model(source, settings, progress=..., on_progress=...)
 
-DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")
+DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "w8a8")
 QUANTIZATIONS = {"none": None, "8bit": "8bit", "4bit": "4bit"}
 DRAFT_LENGTHS = ["adaptive", "heuristic", *[str(k) for k in range(1, 13)]]
 #: categories of the labelled examples, in display order
