@@ -203,8 +203,8 @@ def medusa_heads(target: LoadedModel, source: str | None = None) -> MedusaHeads:
 def uag_draft_int8(spec: SpecSettings, target: LoadedModel, draft: LoadedModel | None) -> bool:
     """Whether a universal drafter drafts with an int8 copy of its draft: as asked, else only on a CPU beside an
     int8-weight target (int8 or w8a8). There a bfloat16 draft step costs a quarter of a target step under AVX2-only
-    kernels and the drafts do not pay (measured: uag 1.00x against 1.08x with the int8 copy); beside a bfloat16 target the draft
-    keeps its own dtype, as the published bfloat16 figures were measured."""
+    kernels and the drafts do not pay (measured: uag 1.00x against 1.08x with the int8 copy); beside a bfloat16
+    target the draft keeps its own dtype, as the published bfloat16 figures were measured."""
     if spec.draft_int8 is not None:
         return spec.draft_int8
     return draft is not None and draft.device.type == "cpu" and is_int8_format(target.model)

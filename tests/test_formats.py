@@ -1,5 +1,6 @@
-"""The int8-weight formats (int8, w8a8): batch-invariant passes (a token's logits never depend on the other tokens of its pass), hence
-speculative output identical to plain decoding in that format, for draft models, n-gram lookup and Medusa trees."""
+"""The int8-weight formats (int8, w8a8): batch-invariant passes (a token's logits never depend on the other tokens
+of its pass), hence speculative output identical to plain decoding in that format, for draft models, n-gram lookup
+and Medusa trees."""
 
 from __future__ import annotations
 
