@@ -409,6 +409,9 @@ AUTO_FORMATS = ("w8a8", "int8", "bfloat16")
 #: draft length (the draft-length policy's own test, see :meth:`DraftLengthPolicy.drafting_could_pay`)
 PAYING_ACCEPTANCE = 0.8
 PAYING_SPEEDUP = 1.1
+#: one-token passes within this share of the fastest count as a tie (timings of bandwidth-bound passes move by
+#: 10 % and more between loads on a shared machine); the tie goes to the format where speculation writes fastest
+PLAIN_TIE = 0.05
 
 
 def speculation_can_pay(
@@ -418,6 +421,15 @@ def speculation_can_pay(
     ``margin`` on this curve."""
     return any(expected_tokens([acceptance], k) / curve.round_cost(k, 0.0) >= margin
                for k in range(1, curve.lengths[-1]))
+
+
+def speculative_seconds_per_token(
+    curve: CostCurve, acceptance: float = PAYING_ACCEPTANCE
+) -> float:
+    """Seconds per token a free drafter right ``acceptance`` of the time reaches on this curve at its best draft
+    length (plain decoding when no length beats it)."""
+    best = max(expected_tokens([acceptance], k) / curve.round_cost(k, 0.0) for k in range(1, curve.lengths[-1]))
+    return curve.seconds[0] / max(best, 1.0)
 
 
 @dataclass
@@ -446,13 +458,24 @@ class FormatChoice:
 
 def pick_format(curves: dict[str, CostCurve]) -> FormatChoice:
     """Among measured formats, the one with the fastest plain decoding among those where speculation can pay (the
-    fastest of all when it pays in none)."""
+    fastest of all when it pays in none). Formats within :data:`PLAIN_TIE` of the fastest plain decoding tie, and
+    the tie goes to the one where a free drafter right 80 % of the time writes fastest."""
     paying = [name for name, curve in curves.items() if speculation_can_pay(curve)]
     pool = paying or list(curves)
-    best = min(pool, key=lambda name: curves[name].seconds[0])
+    fastest = min(curves[name].seconds[0] for name in pool)
+    tied = [name for name in pool if curves[name].seconds[0] <= fastest * (1 + PLAIN_TIE)]
+    best = min(tied, key=lambda name: (speculative_seconds_per_token(curves[name]) if paying else 0.0,
+                                       curves[name].seconds[0]))
     others = [name for name in curves if name != best]
     if len(curves) == 1:
         reason = "auto: the only format measured"
+    elif paying and len(tied) > 1:
+        reason = (f"auto: plain decoding within {PLAIN_TIE:.0%} of the fastest where speculation can pay "
+                  f"({', '.join(f'{name} {curves[name].seconds[0] * 1000:.0f} ms' for name in tied)}), and "
+                  f"speculation fastest: {speculative_seconds_per_token(curves[best]) * 1000:.0f} ms a token at 80 % "
+                  f"acceptance against " + ", ".join(
+                      f"{name} {speculative_seconds_per_token(curves[name]) * 1000:.0f} ms"
+                      for name in tied if name != best))
     elif paying:
         reason = (f"auto: fastest plain decoding where speculation can pay, "
                   f"{curves[best].seconds[0] * 1000:.0f} ms a token against "

@@ -265,6 +265,12 @@ AVX2_KERNELS_BF16 = curve(AVX2_KERNELS, 0.087, [1.0, 1.58, 2.81, 5.71, 11.06])
 AMX = Hardware("cpu", "Intel Xeon (AMX)", ("avx2", "avx512f", "avx512_bf16", "amx_bf16"), 2, "2.13.0")
 AMX_BF16 = curve(AMX, 0.040, [1.0, 1.01, 1.03, 1.06, 1.12])
 AMX_INT8 = curve(AMX, 0.055, [1.0, 1.0, 1.1, 1.9, 3.5])
+#: the w8a8 format (int8 activations, FBGEMM) on this project's CPU, natively and with FBGEMM held to AVX2 too
+#: (FBGEMM_ENABLE_INSTRUCTIONS=AVX2), in a busy hour (its bandwidth-bound pass measured 45 to 69 ms across loads)
+NATIVE_W8A8 = curve(NATIVE, 0.058, [1.0, 1.02, 1.03, 1.23, 1.73])
+AVX2_KERNELS_W8A8 = curve(AVX2_KERNELS, 0.044, [1.0, 1.09, 1.53, 2.45, 4.29])
+#: the same FBGEMM kernel on the real AVX2-only machine (the issue's dynamic quantisation, per-tensor scales)
+AVX2_W8A8 = curve(AVX2, 0.068, [1.0, 1.06, 1.17, 1.61, 3.1])
 
 
 def test_speculation_can_pay_per_cpu_class() -> None:
@@ -280,12 +286,22 @@ def test_speculation_can_pay_per_cpu_class() -> None:
         ({"int8": AVX2_INT8, "bfloat16": AVX2_BF16}, "int8"),
         ({"int8": AVX2_KERNELS_INT8, "bfloat16": AVX2_KERNELS_BF16}, "int8"),
         ({"int8": AMX_INT8, "bfloat16": AMX_BF16}, "bfloat16"),
+        ({"w8a8": NATIVE_W8A8, "int8": NATIVE_INT8, "bfloat16": NATIVE_BF16_MEASURED}, "w8a8"),
+        ({"w8a8": AVX2_KERNELS_W8A8, "int8": AVX2_KERNELS_INT8, "bfloat16": AVX2_KERNELS_BF16}, "w8a8"),
+        ({"w8a8": AVX2_W8A8, "bfloat16": AVX2_BF16}, "w8a8"),
+        ({"w8a8": curve(AMX, 0.050, [1.0, 1.0, 1.05, 1.3, 1.8]), "int8": AMX_INT8, "bfloat16": AMX_BF16}, "bfloat16"),
+        # plain decoding within 5 %: the format whose verify passes cost less wins the tie, whichever is faster
+        ({"w8a8": curve(NATIVE, 0.068, [1.0, 1.0, 1.02, 1.2, 1.64]), "int8": NATIVE_INT8}, "w8a8"),
+        ({"w8a8": curve(NATIVE, 0.064, [1.0, 1.0, 1.02, 1.2, 1.64]), "int8": NATIVE_INT8}, "w8a8"),
+        # outside the tie the faster plain decoding wins, though its verify passes cost more
+        ({"w8a8": curve(NATIVE, 0.072, [1.0, 1.0, 1.02, 1.2, 1.64]), "int8": NATIVE_INT8}, "int8"),
         # faster plain decoding, but speculation cannot pay in it: the slower format where it can
         ({"int8": curve(AVX2, 0.100, [1.0, 1.9, 3.8, 7.6, 15.0]), "bfloat16": NATIVE_BF16}, "bfloat16"),
         # it pays nowhere: the fastest plain decoding
         ({"int8": curve(AVX2, 0.100, [1.0, 1.9, 3.8, 7.6, 15.0]), "bfloat16": AVX2_BF16}, "int8"),
     ],
-    ids=["native", "avx2-only", "avx2-kernels", "amx", "only-bf16-pays", "none-pays"],
+    ids=["native", "avx2-only", "avx2-kernels", "amx", "native-w8a8", "avx2-kernels-w8a8", "avx2-only-w8a8",
+         "amx-w8a8", "tie-slower", "tie-faster", "no-tie", "only-bf16-pays", "none-pays"],
 )
 def test_auto_picks_the_fastest_format_where_speculation_can_pay(curves, expected) -> None:
     choice = calibration.pick_format(curves)
@@ -301,23 +317,27 @@ def test_choose_format_measures_each_candidate_once_per_machine(tmp_path, monkey
 
     def fake_load(source, settings, progress=True, on_progress=None):
         loads.append(settings.dtype)
-        model = to_int8_format(llama(1)) if settings.dtype == "int8" else llama(1).to(torch.bfloat16)
+        if settings.dtype in ("int8", "w8a8"):
+            model = to_int8_format(llama(1), settings.dtype)
+        else:
+            model = llama(1).to(torch.bfloat16)
         return LoadedModel(source, model, None, torch.device("cpu"), torch.bfloat16, settings)
 
-    recorded = {"int8": NATIVE_INT8, "bfloat16": NATIVE_BF16_MEASURED}
+    recorded = {"int8": NATIVE_INT8, "bfloat16": NATIVE_BF16_MEASURED, "w8a8": curve(NATIVE, 0.090, [1.0] * 5)}
     monkeypatch.setattr(calibration, "measure", lambda target, draft, **kwargs: recorded[target.format])
     monkeypatch.setattr(calibration, "forget_model", lambda source, settings: forgotten.append(settings.dtype))
     auto = LoadSettings(dtype="auto", device="cpu")
     choice = calibration.choose_format("tiny:target", auto, folder=tmp_path, load=fake_load)
-    assert choice.format == "int8" and sorted(loads) == ["bfloat16", "int8"] and forgotten == ["bfloat16"]
-    assert "66 ms" in choice.reason and "bfloat16 150 ms" in choice.reason
+    assert choice.format == "int8" and sorted(loads) == ["bfloat16", "int8", "w8a8"]
+    assert sorted(forgotten) == ["bfloat16", "w8a8"]
+    assert "66 ms" in choice.reason and "bfloat16 150 ms" in choice.reason and "w8a8 90 ms" in choice.reason
     again = calibration.choose_format("tiny:target", auto, folder=tmp_path, load=fake_load)
-    assert again.format == "int8" and len(loads) == 2  # the choice is cached per machine: nothing loaded again
+    assert again.format == "int8" and len(loads) == 3  # the choice is cached per machine: nothing loaded again
     assert calibration.cached_format_choice("tiny:target", auto, folder=tmp_path).format == "int8"
     asked = calibration.choose_format("tiny:target", LoadSettings(dtype="float32"), folder=tmp_path, load=fake_load)
-    assert asked.format == "float32" and asked.reason == "as asked" and len(loads) == 2
+    assert asked.format == "float32" and asked.reason == "as asked" and len(loads) == 3
     calibration.choose_format("tiny:target", auto, refresh=True, folder=tmp_path, load=fake_load)
-    assert len(loads) == 4
+    assert len(loads) == 6
     for path in tmp_path.glob("format-*.json"):
         path.write_text("{damaged")
     assert calibration.cached_format_choice("tiny:target", auto, folder=tmp_path) is None
