@@ -484,9 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype",
         default="auto",
-        help="the target's format: auto (on a CPU, measured: the fastest plain decoding among int8 and bfloat16 where "
-        "speculation can pay), bfloat16, float16, float32, int8 (CPU: int8 weights, bfloat16 activations), w8a8 (CPU: "
-        "int8 weights and 7-bit activations with a scale per token, FBGEMM)",
+        help="the target's format: auto (on a CPU, measured: the fastest plain decoding among w8a8, int8 and bfloat16 "
+        "where speculation can pay), bfloat16, float16, float32, int8 (CPU: int8 weights, bfloat16 activations), "
+        "w8a8 (CPU: int8 weights, int8 activations with a scale per token, FBGEMM)",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
     parser.add_argument("--load-in", choices=["4bit", "8bit"], help="bitsandbytes quantisation of the target (CUDA)")

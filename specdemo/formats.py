@@ -141,9 +141,10 @@ class W8A8Linear(nn.Module):
         return out.reshape(*hidden.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        """The weights as float32 (what the int8 values and scales stand for)."""
+        """The weights as bfloat16 (what the int8 values and scales stand for, as the int8 format gives them: a
+        float32 copy of a 150k-row head would cost Medusa more to read than a whole w8a8 target pass)."""
         weight, _ = self.packed.unpack()
-        return weight.dequantize()
+        return weight.dequantize().to(INT8_ACTIVATIONS)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations"
@@ -245,8 +246,7 @@ _DEQUANTIZED_HEADS: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor]" = weakr
 
 
 def output_weight(model: nn.Module) -> torch.Tensor:
-    """The LM head's weight matrix; for the int8-weight formats a copy in the activation dtype, made once per
-    model."""
+    """The LM head's weight matrix; for the int8-weight formats a bfloat16 copy, made once per model."""
     head = model.get_output_embeddings()
     if not isinstance(head, (Int8WeightLinear, W8A8Linear)):
         return head.weight.detach()

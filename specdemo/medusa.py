@@ -100,7 +100,7 @@ class MedusaHeads(nn.Module):
         if shared_weight is None:
             raise ValueError("these heads share the target's LM head: pass its weight")
         weight = shared_weight if token_ids is None else shared_weight.index_select(0, token_ids)
-        return features @ weight.T
+        return features.to(weight.dtype) @ weight.T  # an int8-weight target's head is shared as bfloat16
 
     # -- files ---------------------------------------------------------------------------------------------------
     def state_in_fasterdecoding_layout(self) -> dict[str, torch.Tensor]:

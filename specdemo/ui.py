@@ -1099,8 +1099,8 @@ def _format_note(config: AppConfig, target: str) -> str:
         return f"auto ({resolve_format('auto', device)} on {device.type})"
     choice = cached_format_choice(target, LoadSettings(dtype="auto", device=config.device))
     if choice is None:
-        return ("auto: int8 or bfloat16, whichever decodes faster here where speculation can pay (measured at the "
-                "first race)")
+        return ("auto: w8a8, int8 or bfloat16, whichever decodes faster here where speculation can pay (measured at "
+                "the first race)")
     return f"{choice.format} ({choice.reason})"
 
 

@@ -85,7 +85,7 @@ def test_w8a8_linear_rows_do_not_depend_on_their_neighbours(in_features, two_par
     assert error(rows[10:20]) < (0.006 if two_parts else 0.03)
     assert error(rows[9:10]) < 0.006 if two_parts else error(rows[9:10]) > 0.03
     step = linear.weight.abs().amax(dim=1, keepdim=True) / 127
-    assert ((layer.dequantized() - linear.weight).abs() <= step * 0.51 + 1e-6).all()
+    assert ((layer.dequantized().float() - linear.weight).abs() <= step * 0.51 + linear.weight.abs() / 256).all()
 
 
 @FORMATS
@@ -169,7 +169,7 @@ def test_length_limits_and_eos_in_int8(fmt):
 def test_medusa_in_int8_equals_plain_int8_decoding(tree, fmt):
     target = int8_model(llama, 1, fmt)
     weight = output_weight(target)
-    heads = random_heads(target, seed=4).to(weight.dtype)  # as the pipeline casts them to the target's dtype
+    heads = random_heads(target, seed=4).to(torch.bfloat16 if fmt == INT8 else torch.float32)  # the target's dtype
     assert weight.shape == (VOCAB, 64) and output_weight(target) is weight  # dequantised once per model
     settings = GenerationSettings(max_new_tokens=24)
     for prompt in PROMPTS:
@@ -202,7 +202,7 @@ def test_format_names():
     w8a8 = LoadedModel("tiny", int8_model(llama, 1, W8A8), None, cpu, torch.float32, LoadSettings(dtype="w8a8"))
     assert w8a8.format == "w8a8" and cache_key("tiny:x", LoadSettings(dtype="w8a8"))[1] == "w8a8"
     assert resolve_format("W8A8", cpu) == "w8a8" and resolve_dtype("w8a8", cpu) == torch.float32
-    assert draft_dtype("w8a8") == "bfloat16" and output_weight(w8a8.model).dtype == torch.float32
+    assert draft_dtype("w8a8") == "bfloat16" and output_weight(w8a8.model).dtype == torch.bfloat16
     with pytest.raises(ModelLoadError, match="unknown dtype 'int4'"):
         resolve_format("int4", cpu)
     for fmt in (INT8, W8A8):

@@ -369,4 +369,4 @@ def test_pair_info_names_the_target_format(tmp_path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path))
     assert "*Target format:* float32" in ui._pair_info(tiny_app.config(), "tiny")
     auto = ui._pair_info(tiny_app.config(dtype="auto", calibrate=True), "tiny")
-    assert "*Target format:* auto: int8 or bfloat16" in auto and "measured at the first race" in auto
+    assert "*Target format:* auto: w8a8, int8 or bfloat16" in auto and "measured at the first race" in auto
