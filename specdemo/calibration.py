@@ -419,17 +419,18 @@ def speculation_can_pay(
 ) -> bool:
     """Whether some draft length lets a free drafter (n-gram lookup) at ``acceptance`` beat plain decoding by
     ``margin`` on this curve."""
-    return any(expected_tokens([acceptance], k) / curve.round_cost(k, 0.0) >= margin
-               for k in range(1, curve.lengths[-1]))
+    return _best_free_speedup(curve, acceptance) >= margin
 
 
-def speculative_seconds_per_token(
-    curve: CostCurve, acceptance: float = PAYING_ACCEPTANCE
-) -> float:
+def _best_free_speedup(curve: CostCurve, acceptance: float) -> float:
+    """A free drafter's speedup over plain decoding at ``acceptance``, at its best draft length on this curve."""
+    return max(expected_tokens([acceptance], k) / curve.round_cost(k, 0.0) for k in range(1, curve.lengths[-1]))
+
+
+def speculative_seconds_per_token(curve: CostCurve, acceptance: float = PAYING_ACCEPTANCE) -> float:
     """Seconds per token a free drafter right ``acceptance`` of the time reaches on this curve at its best draft
     length (plain decoding when no length beats it)."""
-    best = max(expected_tokens([acceptance], k) / curve.round_cost(k, 0.0) for k in range(1, curve.lengths[-1]))
-    return curve.seconds[0] / max(best, 1.0)
+    return curve.seconds[0] / max(_best_free_speedup(curve, acceptance), 1.0)
 
 
 @dataclass

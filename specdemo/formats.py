@@ -167,6 +167,14 @@ _FORMAT_LAYERS: dict[str, tuple[type[nn.Module], torch.dtype]] = {
     INT8: (Int8WeightLinear, INT8_ACTIVATIONS),
     W8A8: (W8A8Linear, W8A8_ACTIVATIONS),
 }
+#: the names of the int8-weight formats
+INT8_FORMATS = tuple(_FORMAT_LAYERS)
+_INT8_LAYERS = tuple(layer for layer, _ in _FORMAT_LAYERS.values())
+
+
+def activation_dtype(fmt: str) -> torch.dtype:
+    """The activation dtype of the int8-weight format ``fmt``."""
+    return _FORMAT_LAYERS[fmt][1]
 
 
 def int8_kernel_available() -> bool:
@@ -236,7 +244,7 @@ def is_int8_format(model: nn.Module) -> bool:
 def output_rows(model: nn.Module) -> int:
     """The number of rows (vocabulary entries) the model's LM head scores."""
     head = model.get_output_embeddings()
-    if isinstance(head, (Int8WeightLinear, W8A8Linear)):
+    if isinstance(head, _INT8_LAYERS):
         return head.out_features
     return int(head.weight.shape[0])
 
@@ -248,7 +256,7 @@ _DEQUANTIZED_HEADS: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor]" = weakr
 def output_weight(model: nn.Module) -> torch.Tensor:
     """The LM head's weight matrix; for the int8-weight formats a bfloat16 copy, made once per model."""
     head = model.get_output_embeddings()
-    if not isinstance(head, (Int8WeightLinear, W8A8Linear)):
+    if not isinstance(head, _INT8_LAYERS):
         return head.weight.detach()
     weight = _DEQUANTIZED_HEADS.get(model)
     if weight is None:

@@ -150,7 +150,7 @@ def resolve_format(name: str, device: torch.device) -> str:
         if device.type == "mps":
             return "float16"
         return "bfloat16"
-    if text in (formats.INT8, formats.W8A8):
+    if text in formats.INT8_FORMATS:
         if device.type != "cpu":
             raise ModelLoadError(f"the {text} format is for CPU targets; on a GPU use --load-in 8bit")
         if text == formats.INT8 and not formats.int8_kernel_available():
@@ -167,7 +167,7 @@ def resolve_format(name: str, device: torch.device) -> str:
 def draft_dtype(name: str) -> str:
     """The dtype a draft loads in beside a target in ``name``: drafts of an int8-weight target load in bfloat16 and
     make their own int8 copy (see :func:`specdemo.drafters.int8_copy`); a draft's rows need no batch invariance."""
-    return "bfloat16" if (name or "").strip().lower() in (formats.INT8, formats.W8A8) else name
+    return "bfloat16" if (name or "").strip().lower() in formats.INT8_FORMATS else name
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -177,9 +177,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _activation_dtype(fmt: str) -> torch.dtype:
-    if fmt == formats.W8A8:
-        return formats.W8A8_ACTIVATIONS
-    return formats.INT8_ACTIVATIONS if fmt == formats.INT8 else _DTYPES[fmt]
+    return formats.activation_dtype(fmt) if fmt in formats.INT8_FORMATS else _DTYPES[fmt]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,7 +451,7 @@ def _load_uncached(
     if "device_map" not in model_kwargs:
         model = model.to(device)
     model.eval()
-    if key_format in (formats.INT8, formats.W8A8):
+    if key_format in formats.INT8_FORMATS:
         formats.to_int8_format(model, key_format)
     _fill_special_ids(model, tokenizer)
     if on_progress is not None:
