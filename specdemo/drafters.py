@@ -256,6 +256,12 @@ def int8_head(model: PreTrainedModel) -> torch.nn.Module | None:
     return quantized
 
 
+#: restricted draft heads over the most frequent ids, weakly keyed by their model: {(ids, int8): head}
+_FREQUENT_HEADS: "weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[int, bool], torch.nn.Module]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def head_token_ids(head_tokens: int, vocab_size: int, prompt_ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
     """The token ids a restricted LM head scores: the lowest ``head_tokens`` ids (the earliest BPE merges, i.e. the
     most frequent tokens), every prompt id and the EOS ids, all below ``vocab_size``, ascending."""
@@ -331,6 +337,7 @@ class DraftModelDrafter:
         self.int8 = quantized is not None
         if quantized is not None:
             model = quantized
+        self._model = model
         self.lm = CachedLM(model)
         self.sampling = sampling
         self.target_vocab_size = target_vocab_size
@@ -344,32 +351,47 @@ class DraftModelDrafter:
         self.head_tokens = _auto_head_tokens(draft_vocab) if head_tokens is None else head_tokens
         if self._head_weight is None or not isinstance(head, torch.nn.Linear):
             self.head_tokens = 0
+        # a restricted head: the frequent ids' rows (the same for every prompt) and the prompt's rarer ids' rows
         self._sub_ids: torch.Tensor | None = None
-        self._sub_head: torch.nn.Module | None = None
+        self._frequent_head: torch.nn.Module | None = None
+        self._rare_head: torch.nn.Module | None = None
         self._cached_ids: list[int] = []
 
     # -- sequence state ------------------------------------------------------------------------------------------
     def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
         self.lm.reset()
         self._cached_ids = []
-        if self.head_tokens and self._head_weight is not None:
-            draft_vocab = self._head_weight.shape[0]
-            if self.head_tokens >= draft_vocab:
-                self._sub_ids = None
-                return
-            usable = min(draft_vocab, self.target_vocab_size)
-            ids = head_token_ids(self.head_tokens, usable, prompt_ids, self.eos_token_ids)
-            self._sub_ids = torch.tensor(ids, dtype=torch.long, device=self.lm.device)
-            with torch.inference_mode():
-                weight = self._head_weight.index_select(0, self._sub_ids)
-                bias = None if self._head_bias is None else self._head_bias.index_select(0, self._sub_ids)
-            if self.int8:
-                self._sub_head = int8_linear(weight, bias)
-            else:
-                self._sub_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-                self._sub_head.weight = torch.nn.Parameter(weight, requires_grad=False)
-                if bias is not None:
-                    self._sub_head.bias = torch.nn.Parameter(bias, requires_grad=False)
+        self._sub_ids = None
+        if not self.head_tokens or self._head_weight is None:
+            return
+        draft_vocab = self._head_weight.shape[0]
+        if self.head_tokens >= draft_vocab:
+            return
+        usable = min(draft_vocab, self.target_vocab_size)
+        frequent = min(self.head_tokens, usable)
+        # the same rows for every prompt: built once per model, not per request (quantising them takes 0.35 s)
+        heads = _FREQUENT_HEADS.setdefault(self._model, {})
+        if (frequent, self.int8) not in heads:
+            heads[frequent, self.int8] = self._head_rows(torch.arange(frequent, device=self.lm.device))
+        self._frequent_head = heads[frequent, self.int8]
+        ids = head_token_ids(self.head_tokens, usable, prompt_ids, self.eos_token_ids)
+        rare = torch.tensor(ids[frequent:], dtype=torch.long, device=self.lm.device)  # ids beyond the frequent ones
+        self._rare_head = self._head_rows(rare) if rare.numel() else None
+        self._sub_ids = torch.tensor(ids, dtype=torch.long, device=self.lm.device)
+
+    def _head_rows(self, ids: torch.Tensor) -> torch.nn.Module:
+        """A linear layer scoring only these token ids (int8 when the drafter drafts in int8)."""
+        assert self._head_weight is not None
+        with torch.inference_mode():
+            weight = self._head_weight.index_select(0, ids)
+            bias = None if self._head_bias is None else self._head_bias.index_select(0, ids)
+        if self.int8:
+            return int8_linear(weight, bias)
+        head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        head.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            head.bias = torch.nn.Parameter(bias, requires_grad=False)
+        return head
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Roll the draft cache back to the longest prefix it shares with ``context``; return the ids to feed."""
@@ -399,8 +421,11 @@ class DraftModelDrafter:
                 logits = logits[: self.target_vocab_size]
             return logits, None
         hidden = self.lm.hidden_states(input_ids)[-1]
+        assert self._frequent_head is not None
         with torch.inference_mode():
-            logits = self._sub_head(hidden.unsqueeze(0))[0]
+            logits = self._frequent_head(hidden.unsqueeze(0))[0]
+            if self._rare_head is not None:
+                logits = torch.cat([logits, self._rare_head(hidden.unsqueeze(0))[0]])
         return logits, self._sub_ids
 
     @torch.inference_mode()

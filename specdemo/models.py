@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -474,6 +475,16 @@ def _fill_special_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         tokenizer.pad_token = tokenizer.eos_token
 
 
+#: tokenizer -> {other tokenizer -> same vocabulary?}, weakly keyed (comparing two vocabularies takes 0.2 s)
+_SAME_VOCAB: "weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, bool]]" = weakref.WeakKeyDictionary()
+
+
 def same_tokenizer(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
-    """True when both tokenizers map the same token strings to the same ids."""
-    return a is b or a.get_vocab() == b.get_vocab()
+    """True when both tokenizers map the same token strings to the same ids (worked out once per pair: every
+    draft-mode run checks its pair, and the answer is no cost of the run)."""
+    if a is b:
+        return True
+    known = _SAME_VOCAB.setdefault(a, weakref.WeakKeyDictionary())
+    if b not in known:
+        known[b] = a.get_vocab() == b.get_vocab()
+    return known[b]

@@ -56,6 +56,23 @@ def test_greedy_equals_generate(name: str, k):
             assert final.finish_reason == "length"
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_restricted_head_scores_frequent_and_prompt_ids_and_is_built_once(int8: bool):
+    import torch
+
+    target = TARGETS["qwen2"]
+    prompt = [3, 70, 7, 90]  # 70 and 90 lie beyond the 40 frequent ids
+    drafters = [DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=40, int8=int8) for _ in range(2)]
+    for drafter in drafters:
+        drafter.start(prompt)
+    assert drafters[0]._frequent_head is drafters[1]._frequent_head  # one per model, not one per request
+    logits, id_map = drafters[0]._logits(torch.tensor(prompt))
+    assert sorted(id_map.tolist()) == list(range(40)) + [70, 90]
+    full = drafters[1].lm.forward(torch.tensor(prompt), all_logits=False)[-1]  # its own, untouched cache
+    tolerance = 0.05 * float(full.abs().max()) if int8 else 1e-5
+    assert torch.allclose(logits, full[id_map], atol=tolerance)
+
+
 def test_identical_draft_accepts_everything_and_random_draft_almost_nothing():
     target = TARGETS["llama"]
     settings = GenerationSettings(max_new_tokens=33)
