@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .drafters import Proposal, RoundResult, head_token_ids, to_target_vocab
-from .lm import TargetPass
+from .lm import TargetPass, now
 from .sampling import SamplingSettings, target_distribution
 
 logger = logging.getLogger(__name__)
@@ -287,6 +287,10 @@ def build_tree(
     return tokens, parents, scores
 
 
+#: the most rounds a tree drafter sits out (heads not scored) after trees that did not pay, before it looks again
+MAX_REST = 32
+
+
 class MedusaDrafter:
     """Drafts from Medusa heads on the hidden state of the target's last accepted position: no second model.
 
@@ -333,6 +337,9 @@ class MedusaDrafter:
         self._expected = 0.0  # predicted accepted tokens, summed over rounds (decayed), for calibrating scores
         self._observed = 0.0
         self._last_expected = 0.0  # the tree just proposed: its predicted accepted tokens
+        self._heads_seconds: float | None = None  # what scoring the heads costs a round (the lowest recent timing)
+        self._rest = 1  # rounds to sit out (heads not scored) after the next round whose best tree does not pay
+        self._resting = 0  # rounds left to sit out now
 
     @property
     def num_heads(self) -> int:
@@ -342,6 +349,7 @@ class MedusaDrafter:
         if prefill is None or prefill.hidden_states is None:
             raise ValueError("Medusa heads need the target's hidden states from the prompt's pass")
         self._hidden = prefill.hidden_states[-1]
+        self._rest, self._resting = 1, 0
         device = self._hidden.device
         vocab = self.target_vocab_size
         self._token_ids = None
@@ -370,13 +378,21 @@ class MedusaDrafter:
     def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
         if max_tokens <= 0 or self._hidden is None:
             return Proposal()
+        if self._resting > 0:  # the last trees did not pay for the heads: a plain step, heads not even scored
+            self._resting -= 1
+            return Proposal()
+        started = now(self._hidden.device)
         logits = self._head_logits()[: min(self.num_heads, max_tokens) if not self.tree else self.num_heads]
         if self.tree:
             probs = logits.float().softmax(-1)
             top = probs.topk(min(self.top_width, probs.shape[-1]), dim=-1)
             tokens, parents, scores = build_tree(top.values, self._vocab_id(top.indices), max_tokens)
+            seconds = now(self._hidden.device) - started
+            self._heads_seconds = seconds if self._heads_seconds is None else min(seconds, 0.8 * self._heads_seconds
+                                                                                  + 0.2 * seconds)
             count = self._tree_size(scores)
             self._last_expected = sum(scores[:count])
+            self._pace(count)
             return Proposal(tokens[:count], None, 0.0, parents[:count])
         if self.sampling.greedy:
             return Proposal([int(t) for t in self._vocab_id(logits.argmax(-1)).tolist()])
@@ -388,17 +404,33 @@ class MedusaDrafter:
             rows.append(to_target_vocab(probs, self._token_ids, self.target_vocab_size))
         return Proposal(tokens, torch.stack(rows))
 
+    def _pace(self, count: int) -> None:
+        """After a tree that pays, score the heads every round; after one that does not, sit out ``_rest`` rounds
+        (1, 2, 4 ... up to :data:`MAX_REST` while no tree pays), and let the calibration of the heads' scores drift
+        back toward trusting them, so that a later stretch of predictable text can win them back."""
+        if self.verify_cost is None:
+            return
+        if count > 0:
+            self._rest = 1
+            return
+        self._resting = self._rest
+        self._rest = min(2 * self._rest, MAX_REST)
+        self._expected *= 0.9
+        self._observed *= 0.9
+
     def _tree_size(self, scores: list[float]) -> int:
-        """How many of the best nodes pay for their place in the verify pass (all, without a cost model)."""
+        """How many of the best nodes pay for their place in the verify pass, the heads' own cost counted (all,
+        without a cost model)."""
         if self.verify_cost is None or not scores:
             return len(scores)
         # heads' probabilities are not calibrated: scale them by how many tokens such trees really gave
         ratio = (self._observed + 1.0) / (self._expected + 1.0)
+        heads = self._heads_seconds or 0.0
         best_count, best_rate = 0, 1.0 / self.verify_cost(1)
         expected = 1.0
         for count, score in enumerate(scores, start=1):
             expected += ratio * score
-            rate = expected / self.verify_cost(count + 1)
+            rate = expected / (heads + self.verify_cost(count + 1))
             if rate > best_rate:
                 best_count, best_rate = count, rate
         return best_count

@@ -181,6 +181,29 @@ def test_tree_sized_by_the_cost_model_stays_exact_and_can_fall_back_to_plain_ste
     assert max(e.drafted for e in events) == 8
 
 
+def test_a_tree_drafter_whose_trees_do_not_pay_stops_scoring_its_heads_for_a_while():
+    model = qwen2(3)
+    heads = random_heads(model, seed=8)
+    prompt = PROMPTS[2]
+    settings = GenerationSettings(max_new_tokens=60)
+    drafter = medusa(model, heads, True, verify_cost=lambda n: float(n))  # no tree ever pays
+    scored = []
+    original = drafter._head_logits
+    drafter._head_logits = lambda: scored.append(1) or original()
+    events = list(speculative_decode(CachedLM(model), drafter, TreeBudget(k_max=8), prompt, settings))
+    assert events[-1].new_token_ids == plain_ids(model, prompt, settings)
+    # rests of 1, 2, 4, 8, 16, 32 rounds between looks: 59 rounds look at the heads 6 times, not 59
+    assert len(scored) == 6
+    # free verification: a tree pays every round, so the heads are scored every round
+    drafter = medusa(model, heads, True, verify_cost=lambda n: 1.0)
+    scored.clear()
+    original = drafter._head_logits
+    drafter._head_logits = lambda: scored.append(1) or original()
+    events = list(speculative_decode(CachedLM(model), drafter, TreeBudget(k_max=8), prompt, settings))
+    # every round but two: the policy's timed plain step (round 2) and the last, with room for no draft
+    assert len(scored) == events[-1].counters.rounds - 2
+
+
 class OracleTree:
     """Knows the target's output: proposes the right two tokens with a wrong sibling at each level, so every
     round accepts two nodes off the prefix of the rows (the cache must keep rows 0, 1, 3)."""
