@@ -157,7 +157,7 @@ class CostAwareDraftLength:
         self._rounds_since_draft = 0
         self._plain_seconds_since_draft = 0.0
         self._catch_up_per_token: float | None = None  # the drafter's catch-up per plain step it sat out
-        self._plain_measured = False  # a plain step timed in this run (a prior's may come from a quieter moment)
+        self._plain_measured = False  # a plain step timed in this run (TreeBudget times one even with a prior)
         self.k = self.k_start
         if prior is not None:
             for length, seconds in zip(prior.lengths, prior.seconds):

@@ -337,7 +337,7 @@ class MedusaDrafter:
         self._expected = 0.0  # predicted accepted tokens, summed over rounds (decayed), for calibrating scores
         self._observed = 0.0
         self._last_expected = 0.0  # the tree just proposed: its predicted accepted tokens
-        self._heads_seconds: float | None = None  # what scoring the heads costs a round (the lowest recent timing)
+        self._heads_seconds: float | None = None  # scoring the heads, seconds a round (an average that leans low)
         self._rest = 1  # rounds to sit out (heads not scored) after the next round whose best tree does not pay
         self._resting = 0  # rounds left to sit out now
 
