@@ -256,10 +256,9 @@ def int8_head(model: PreTrainedModel) -> torch.nn.Module | None:
     return quantized
 
 
-#: restricted draft heads over the most frequent ids, weakly keyed by their model: {(ids, int8): head}
-_FREQUENT_HEADS: "weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[int, bool], torch.nn.Module]]" = (
-    weakref.WeakKeyDictionary()
-)
+#: restricted draft heads over the most frequent ids, weakly keyed by the model that drafts (an int8 copy or the
+#: model itself, so the key already says whether the head is int8): {number of frequent ids: head}
+_FREQUENT_HEADS: "weakref.WeakKeyDictionary[PreTrainedModel, dict[int, torch.nn.Module]]" = weakref.WeakKeyDictionary()
 
 
 def head_token_ids(head_tokens: int, vocab_size: int, prompt_ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
@@ -337,7 +336,6 @@ class DraftModelDrafter:
         self.int8 = quantized is not None
         if quantized is not None:
             model = quantized
-        self._model = model
         self.lm = CachedLM(model)
         self.sampling = sampling
         self.target_vocab_size = target_vocab_size
@@ -370,10 +368,10 @@ class DraftModelDrafter:
         usable = min(draft_vocab, self.target_vocab_size)
         frequent = min(self.head_tokens, usable)
         # the same rows for every prompt: built once per model, not per request (quantising them takes 0.35 s)
-        heads = _FREQUENT_HEADS.setdefault(self._model, {})
-        if (frequent, self.int8) not in heads:
-            heads[frequent, self.int8] = self._head_rows(torch.arange(frequent, device=self.lm.device))
-        self._frequent_head = heads[frequent, self.int8]
+        heads = _FREQUENT_HEADS.setdefault(self.lm.model, {})
+        if frequent not in heads:
+            heads[frequent] = self._head_rows(torch.arange(frequent, device=self.lm.device))
+        self._frequent_head = heads[frequent]
         ids = head_token_ids(self.head_tokens, usable, prompt_ids, self.eos_token_ids)
         rare = torch.tensor(ids[frequent:], dtype=torch.long, device=self.lm.device)  # ids beyond the frequent ones
         self._rare_head = self._head_rows(rare) if rare.numel() else None
