@@ -25,7 +25,7 @@ from .calibration import CostCurve, FormatChoice, calibrate, choose_format
 from .drafters import NGRAM_PREFERENCES
 from .engine import Counters, GenerationSettings, RoundEvent, collect
 from .lm import now
-from .metrics import compare, run_metrics
+from .metrics import compare, decode_rate, decode_speedup, run_metrics
 from .models import LoadedModel, LoadSettings, ModelLoadError, draft_dtype, load_model, resolve_device, resolve_format
 from .offline import OfflinePackError
 from .pipeline import (
@@ -208,6 +208,7 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
     """Per mode: tokens/s over all its prompts, speedup against plain, acceptance, accepted length."""
     summary: dict[str, dict] = {}
     plain_rate = None
+    plain_decode_rate = None
     plain_counters = None
     for mode in modes:
         rows = [r for r in results if r["mode"] == mode]
@@ -216,12 +217,18 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
         tokens = sum(len(r["new_token_ids"]) for r in rows)
         seconds = sum(r["seconds"] for r in rows)
         rate = tokens / seconds if seconds > 0 else 0.0
+        timed = [r for r in rows if r.get("prefill_seconds") is not None]
+        mode_decode_rate = None
+        if len(timed) == len(rows):  # every run of the mode timed its prompt pass (not the hf-* modes)
+            prefill_seconds = sum(r["prefill_seconds"] for r in timed)
+            mode_decode_rate = decode_rate(tokens, seconds, prefill_seconds, runs=len(rows))
         entry: dict[str, Any] = {
             "prompts": len(rows),
             "new_tokens": tokens,
             "seconds": seconds,
             "tokens_per_s": rate,
             "speedup": None,
+            "decode_speedup": None,
             "acceptance_rate": None,
             "mean_accepted_length": None,
             "alpha": None,
@@ -233,10 +240,13 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
         mode_counters = [counters[(r["id"], mode)] for r in rows if (r["id"], mode) in counters]
         if mode == "plain":
             plain_rate = rate
+            plain_decode_rate = mode_decode_rate
             entry["mean_accepted_length"] = 1.0
+            entry["prefill_share"] = prefill_seconds / seconds if mode_decode_rate and seconds > 0 else None
             plain_counters = Counters.total(mode_counters) if mode_counters else None
         if plain_rate:
             entry["speedup"] = rate / plain_rate
+            entry["decode_speedup"] = decode_speedup(mode_decode_rate, plain_decode_rate)
             per_prompt = [r["speedup"] for r in rows if r.get("speedup") is not None]
             entry["per_prompt_speedup_min"] = min(per_prompt) if per_prompt else None
         if mode_counters and mode != "plain":
@@ -270,15 +280,16 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
 
 def format_table(summary: dict[str, dict], by_category: dict[str, dict[str, dict]]) -> str:
     header = (
-        f"{'category':<16} {'mode':<12} {'tok/s':>7} {'speedup':>8} {'drafted':>7} {'accept':>7} {'acc.len':>7} "
-        f"{'expect':>7} {'same':>6}"
+        f"{'category':<16} {'mode':<12} {'tok/s':>7} {'speedup':>8} {'decode':>7} {'drafted':>7} {'accept':>7} "
+        f"{'acc.len':>7} {'expect':>7} {'same':>6}"
     )
     lines = [header, "-" * len(header)]
 
     def row(category: str, mode: str, e: dict) -> str:
         return (
             f"{category:<16} {mode:<12} {_fmt(e['tokens_per_s'], '.2f'):>7} {_fmt(e['speedup'], '.2f', 'x'):>8} "
-            f"{_fmt(e.get('mean_draft_length'), '.1f'):>7} {_fmt(e['acceptance_rate'], '.0%'):>7} {_fmt(e['mean_accepted_length'], '.2f'):>7} "
+            f"{_fmt(e.get('decode_speedup'), '.2f', 'x'):>7} {_fmt(e.get('mean_draft_length'), '.1f'):>7} "
+            f"{_fmt(e['acceptance_rate'], '.0%'):>7} {_fmt(e['mean_accepted_length'], '.2f'):>7} "
             f"{_fmt(e['expected_speedup'], '.2f', 'x'):>7} {e['identical_to_plain']:>3}/{e['prompts']:<2}"
         )
 
@@ -396,6 +407,8 @@ def run_benchmark(
                 "first_divergence": None,
                 "divergence_margin": None,
                 "speedup": None,
+                "prefill_seconds": run.counters.prefill_seconds if run.counters else None,
+                "decode_speedup": None,
             }
             if mode == "plain":
                 entry["prompt_ids"] = list(ids)  # lets `python -m specdemo.replay` replay drafting rules offline
@@ -411,6 +424,11 @@ def run_benchmark(
                     entry["divergence_margin"] = divergence_margin(target, ids, plain.ids, position)
                 plain_rate = len(plain.ids) / plain.seconds if plain.seconds > 0 else 0.0
                 entry["speedup"] = rate / plain_rate if plain_rate > 0 else None
+                if run.counters is not None and plain.counters is not None:
+                    entry["decode_speedup"] = decode_speedup(
+                        decode_rate(len(run.ids), run.seconds, run.counters.prefill_seconds),
+                        decode_rate(len(plain.ids), plain.seconds, plain.counters.prefill_seconds),
+                    )
             if run.counters is not None:
                 counters[(prompt.id, mode)] = run.counters
             results.append(entry)

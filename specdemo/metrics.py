@@ -17,7 +17,12 @@ Definitions (README, "Reading the figures"):
   verify cost v is reported beside it);
 - expected speedup = the same applied end to end: both sides also pay their measured prompt pass, which the
   measured speedup includes, so the two are comparable. measured / expected says how close a run came to what the
-  method allows for its acceptance and draft cost.
+  method allows for its acceptance and draft cost;
+- decode speedup = the measured speedup after the target's prompt pass: tokens after the first per second of
+  everything that followed that pass (the draft's own reading of the prompt included), speculative over plain.
+  Both sides pay the same prompt pass, so where it is a large share of a run (long prompts, or prompt passes that
+  are compute-bound, as int8 GEMMs without VNNI are) the end-to-end speedup is held down by it; this says what
+  speculation did to the part it changes. The end-to-end speedup stays the headline figure.
 """
 
 from __future__ import annotations
@@ -117,16 +122,35 @@ class Comparison:
     expected_decode_speedup_iid: float | None  # the same with Leviathan's single alpha
     expected_speedup: float | None  # E / (gamma c + 1) end to end: each side's prompt pass included
     fraction_of_expected: float | None  # speedup / expected_speedup
+    decode_speedup: float | None = None  # measured, after the target's prompt pass (see decode_speedup())
+    prefill_share: float | None = None  # the plain side's prompt pass / its whole time
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
+def decode_rate(new_tokens: int, seconds: float, prefill_seconds: float, runs: int = 1) -> float | None:
+    """Tokens per second after the prompt's pass, over ``runs`` runs whose totals are given: each run's first token
+    comes from its prompt pass, so it is left out (None when nothing followed the prompt passes)."""
+    decode_seconds = seconds - prefill_seconds
+    return (new_tokens - runs) / decode_seconds if new_tokens > runs and decode_seconds > 0 else None
+
+
+def decode_speedup(spec_rate: float | None, plain_rate: float | None) -> float | None:
+    """Speculative over plain decode rates (:func:`decode_rate`)."""
+    return spec_rate / plain_rate if spec_rate and plain_rate else None
+
+
 def compare(spec: RunMetrics, plain: RunMetrics) -> Comparison:
     speedup = spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s > 0 and spec.tokens_per_s > 0 else None
+    decode = decode_speedup(
+        decode_rate(spec.new_tokens, spec.seconds, spec.prefill_seconds),
+        decode_rate(plain.new_tokens, plain.seconds, plain.prefill_seconds),
+    )
+    prefill_share = plain.prefill_seconds / plain.seconds if plain.seconds > 0 else None
     plain_step = plain.verify_seconds / plain.rounds if plain.rounds else None
     if not plain_step or not spec.rounds:
-        return Comparison(speedup, None, None, None, None, None, None)
+        return Comparison(speedup, None, None, None, None, None, None, decode, prefill_share)
     verify_cost = (spec.verify_seconds / spec.rounds) / plain_step
     draft_cost = (spec.draft_seconds / spec.drafted) / plain_step if spec.drafted else 0.0
     gamma = spec.mean_draft_length or 0.0
@@ -134,12 +158,14 @@ def compare(spec: RunMetrics, plain: RunMetrics) -> Comparison:
     round_cost = gamma * draft_cost + 1.0
     tokens_per_round = spec.expected_tokens_per_round or 1.0
     tokens_per_round_iid = spec.expected_tokens_per_round_iid or expected_tokens_per_pass(alpha, gamma)
-    decode = tokens_per_round / round_cost
-    decode_iid = tokens_per_round_iid / round_cost
+    expected_decode = tokens_per_round / round_cost
+    expected_decode_iid = tokens_per_round_iid / round_cost
     # end to end: the first token comes from the prompt pass on both sides, the rest from decoding
     expected_seconds = spec.prefill_seconds + (spec.new_tokens - 1) / tokens_per_round * round_cost * plain_step
     expected = None
     if expected_seconds > 0 and plain.tokens_per_s > 0:
         expected = (spec.new_tokens / expected_seconds) / plain.tokens_per_s
     fraction = speedup / expected if speedup is not None and expected else None
-    return Comparison(speedup, draft_cost, verify_cost, decode, decode_iid, expected, fraction)
+    return Comparison(
+        speedup, draft_cost, verify_cost, expected_decode, expected_decode_iid, expected, fraction, decode, prefill_share
+    )

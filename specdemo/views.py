@@ -244,6 +244,11 @@ def speedup_html(state: RaceState | None) -> str:
         comparison = state.comparison
         value = comparison.speedup if comparison else None
         note = "tokens/s, speculative ÷ plain (own compute time)"
+        if comparison is not None and comparison.decode_speedup and comparison.prefill_share is not None:
+            note += (
+                f"; after the prompt pass ({comparison.prefill_share:.0%} of plain's time, the same on both sides): "
+                f"{comparison.decode_speedup:.2f}×"
+            )
     else:
         value = live_speedup(state)
         note = "so far (race running)"

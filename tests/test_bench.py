@@ -68,6 +68,16 @@ def test_bench_json_and_identity(pair, prompt_file, tmp_path, capsys):
         for key in ("tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_length"):
             assert key in report["summary"][mode]
     assert report["summary"]["plain"]["speedup"] == pytest.approx(1.0)
+    # after the target's prompt pass: measured for the engine's modes, None for generate()'s (no pass timings)
+    assert "decode" in table
+    assert report["summary"]["plain"]["decode_speedup"] == pytest.approx(1.0)
+    assert 0 < report["summary"]["plain"]["prefill_share"] < 1
+    for row in results:
+        if row["mode"].startswith("hf-"):
+            assert row["decode_speedup"] is None and row["prefill_seconds"] is None
+        else:
+            assert row["prefill_seconds"] > 0 and row["decode_speedup"] > 0
+    assert report["summary"]["draft"]["decode_speedup"] > 0 and report["summary"]["hf-plain"]["decode_speedup"] is None
     assert set(report["by_category"]) == {"coding", "summary"}
     assert report["summary"]["draft"]["acceptance_rate"] is not None
     assert report["environment"]["dtype"] == "float32"

@@ -4,7 +4,7 @@ import pytest
 
 from specdemo.draft_length import expected_tokens
 from specdemo.engine import Counters
-from specdemo.metrics import compare, expected_speedup, expected_tokens_per_pass, run_metrics
+from specdemo.metrics import compare, decode_rate, expected_speedup, expected_tokens_per_pass, run_metrics
 
 
 def test_leviathan_formula():
@@ -65,6 +65,28 @@ def test_compare_against_plain():
     assert comparison.expected_speedup == pytest.approx(spec_rate / (10 / 1.0))
     assert comparison.fraction_of_expected == pytest.approx(comparison.speedup / comparison.expected_speedup)
     assert comparison.speedup == pytest.approx(run_metrics(spec).tokens_per_s / run_metrics(plain).tokens_per_s)
+    # after the prompt pass (0.1 s on each side): 9 tokens in 0.9 s against 10 in 0.28 s
+    assert comparison.decode_speedup == pytest.approx((10 / 0.28) / (9 / 0.9))
+    assert comparison.prefill_share == pytest.approx(0.1 / 1.0)
+
+
+def test_a_long_prompt_pass_holds_the_end_to_end_speedup_down_but_not_the_decode_speedup():
+    plain = _counters([(0, 0)] * 9)
+    spec = _counters([(4, 4), (4, 4)])
+    plain.verify_seconds, spec.verify_seconds = 0.9, 0.3  # decoding 3x faster
+    short = compare(run_metrics(spec), run_metrics(plain))
+    plain.prefill_seconds = spec.prefill_seconds = 2.0  # the same long prompt on both sides
+    long = compare(run_metrics(spec), run_metrics(plain))
+    assert short.decode_speedup == pytest.approx(long.decode_speedup) == pytest.approx((10 / 0.3) / (9 / 0.9))
+    assert long.speedup < short.speedup < short.decode_speedup
+    assert long.prefill_share == pytest.approx(2.0 / 2.9)
+
+
+def test_decode_rate_leaves_each_runs_first_token_out():
+    assert decode_rate(11, 1.1, 0.1) == pytest.approx(10.0)
+    assert decode_rate(22, 2.2, 0.2, runs=2) == pytest.approx(10.0)
+    assert decode_rate(1, 0.5, 0.1) is None  # only the prompt pass's token
+    assert decode_rate(5, 0.1, 0.1) is None  # no time after the prompt pass
 
 
 def test_counters_total_adds_runs():

@@ -144,6 +144,8 @@ def test_race_colours_both_panes_and_outputs_are_identical(handlers: ui.Handlers
     assert all("round" in title and "target p" in title for kind, title, _ in spec if kind != "rejected")
     # figures and badge
     assert re.search(r"\d+\.\d\d×", final["speedup"])
+    assert re.search(r"after the prompt pass \(\d+% of plain&#x27;s time, the same on both sides\): \d+\.\d\d×",
+                     final["speedup"]), final["speedup"]
     assert "identical output (40 tokens)" in final["identical"]
     assert "acceptance rate" in final["figures"] and "expected speedup" in final["figures"]
     assert "done (length)" in final["plain_stats"] and "tok/s" in final["spec_stats"]
@@ -274,7 +276,10 @@ def test_api_returns_texts_kinds_and_metrics(handlers: ui.Handlers) -> None:
     assert result["plain"]["text"] == result["spec"]["text"] and result["identical"] is True
     assert set(result["spec"]["kinds"]) <= {ACCEPTED, CORRECTED, BONUS, PLAIN}
     assert result["plain"]["metrics"]["new_tokens"] == 16 and result["speedup"] > 0
-    assert {"speedup", "draft_cost", "verify_cost", "expected_speedup"} <= set(result["comparison"])
+    assert {"speedup", "draft_cost", "verify_cost", "expected_speedup", "decode_speedup", "prefill_share"} <= set(
+        result["comparison"]
+    )
+    assert result["comparison"]["decode_speedup"] > 0 and 0 < result["comparison"]["prefill_share"] < 1
     with pytest.raises(gr.Error, match="prompt is empty"):
         list(handlers.api("", pair="tiny"))
 
