@@ -239,26 +239,41 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Mod
         return quantize_dynamic(torch.nn.Sequential(linear), {"0": per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
-#: int8 copies of whole LM heads, keyed weakly by their model (freed with it)
-_INT8_HEADS: "weakref.WeakKeyDictionary[PreTrainedModel, torch.nn.Module]" = weakref.WeakKeyDictionary()
+#: linear layers scoring leading rows of a model's LM head, weakly keyed by the model (freed with it):
+#: {(rows, int8): layer}, rows None = the whole head
+_HEAD_ROWS: "weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[int | None, bool], torch.nn.Module]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def int8_head(model: PreTrainedModel) -> torch.nn.Module | None:
-    """An int8 copy of the model's whole LM head (made once per model and process), or None if it is no Linear."""
-    cached = _INT8_HEADS.get(model)
-    if cached is not None:
-        return cached
+def head_rows(model: PreTrainedModel, rows: int | None = None, int8: bool = True) -> torch.nn.Module | None:
+    """A linear layer scoring the model's first ``rows`` token ids (None: its whole LM head), int8 or in the head's
+    own dtype; made once per model, rows and int8 (quantising 32,768 rows of a draft head takes a third of a
+    second, the same for every prompt). None if the head is no Linear."""
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         return None
-    quantized = int8_linear(head.weight.detach(), head.bias)
-    _INT8_HEADS[model] = quantized
-    return quantized
+    layers = _HEAD_ROWS.setdefault(model, {})
+    if (rows, int8) not in layers:
+        ids = None if rows is None else torch.arange(rows, device=head.weight.device)
+        layers[(rows, int8)] = linear_rows(head, ids, int8)
+    return layers[(rows, int8)]
 
 
-#: restricted draft heads over the most frequent ids, weakly keyed by the model that drafts (an int8 copy or the
-#: model itself, so the key already says whether the head is int8): {number of frequent ids: head}
-_FREQUENT_HEADS: "weakref.WeakKeyDictionary[PreTrainedModel, dict[int, torch.nn.Module]]" = weakref.WeakKeyDictionary()
+def linear_rows(head: torch.nn.Linear, ids: torch.Tensor | None, int8: bool) -> torch.nn.Module:
+    """A linear layer scoring only these token ids of ``head`` (None: all), int8 or in the head's dtype."""
+    with torch.inference_mode():
+        weight = head.weight.detach() if ids is None else head.weight.index_select(0, ids)
+        bias = head.bias
+        if bias is not None and ids is not None:
+            bias = bias.index_select(0, ids)
+    if int8:
+        return int8_linear(weight, bias)
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return layer
 
 
 def head_token_ids(head_tokens: int, vocab_size: int, prompt_ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
@@ -343,11 +358,10 @@ class DraftModelDrafter:
         self.confidence_stop = confidence_stop
         self.generator = generator
         head = model.get_output_embeddings()
-        self._head_weight = head.weight if head is not None else None
-        self._head_bias = getattr(head, "bias", None) if head is not None else None
-        draft_vocab = self._head_weight.shape[0] if self._head_weight is not None else target_vocab_size
+        self._head = head if isinstance(head, torch.nn.Linear) else None
+        draft_vocab = self._head.weight.shape[0] if self._head is not None else target_vocab_size
         self.head_tokens = _auto_head_tokens(draft_vocab) if head_tokens is None else head_tokens
-        if self._head_weight is None or not isinstance(head, torch.nn.Linear):
+        if self._head is None:
             self.head_tokens = 0
         # a restricted head: the frequent ids' rows (the same for every prompt) and the prompt's rarer ids' rows
         self._sub_ids: torch.Tensor | None = None
@@ -360,36 +374,19 @@ class DraftModelDrafter:
         self.lm.reset()
         self._cached_ids = []
         self._sub_ids = None
-        if not self.head_tokens or self._head_weight is None:
+        if not self.head_tokens or self._head is None:
             return
-        draft_vocab = self._head_weight.shape[0]
+        draft_vocab = self._head.weight.shape[0]
         if self.head_tokens >= draft_vocab:
             return
         usable = min(draft_vocab, self.target_vocab_size)
         frequent = min(self.head_tokens, usable)
-        # the same rows for every prompt: built once per model, not per request (quantising them takes 0.35 s)
-        heads = _FREQUENT_HEADS.setdefault(self.lm.model, {})
-        if frequent not in heads:
-            heads[frequent] = self._head_rows(torch.arange(frequent, device=self.lm.device))
-        self._frequent_head = heads[frequent]
+        # the same rows for every prompt: built once per model, not per request
+        self._frequent_head = head_rows(self.lm.model, frequent, self.int8)
         ids = head_token_ids(self.head_tokens, usable, prompt_ids, self.eos_token_ids)
         rare = torch.tensor(ids[frequent:], dtype=torch.long, device=self.lm.device)  # ids beyond the frequent ones
-        self._rare_head = self._head_rows(rare) if rare.numel() else None
+        self._rare_head = linear_rows(self._head, rare, self.int8) if rare.numel() else None
         self._sub_ids = torch.tensor(ids, dtype=torch.long, device=self.lm.device)
-
-    def _head_rows(self, ids: torch.Tensor) -> torch.nn.Module:
-        """A linear layer scoring only these token ids (int8 when the drafter drafts in int8)."""
-        assert self._head_weight is not None
-        with torch.inference_mode():
-            weight = self._head_weight.index_select(0, ids)
-            bias = None if self._head_bias is None else self._head_bias.index_select(0, ids)
-        if self.int8:
-            return int8_linear(weight, bias)
-        head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-        head.weight = torch.nn.Parameter(weight, requires_grad=False)
-        if bias is not None:
-            head.bias = torch.nn.Parameter(bias, requires_grad=False)
-        return head
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Roll the draft cache back to the longest prefix it shares with ``context``; return the ids to feed."""

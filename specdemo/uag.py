@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .drafters import Proposal, RoundResult, catch_up, int8_copy, int8_head
+from .drafters import Proposal, RoundResult, catch_up, head_rows, int8_copy
 from .lm import CachedLM, TargetPass, now
 from .sampling import SamplingSettings, target_distribution
 
@@ -178,7 +178,7 @@ class UniversalDrafter:
         if int8 is None:
             int8 = next(model.parameters()).device.type == "cpu"
         quantized = int8_copy(model) if int8 else None
-        self._head = int8_head(model) if quantized is not None else None
+        self._head = head_rows(model) if quantized is not None else None
         if self._head is not None:
             model = quantized
         self.lm = CachedLM(model)

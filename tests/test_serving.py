@@ -132,7 +132,7 @@ def test_released_models_take_their_int8_copies_with_them(monkeypatch: pytest.Mo
     )
     model = LlamaForCausalLM(config).eval()
     assert drafters.int8_copy(model) is drafters.int8_copy(model)
-    copy, head = weakref.ref(drafters.int8_copy(model)), weakref.ref(drafters.int8_head(model))
+    copy, head = weakref.ref(drafters.int8_copy(model)), weakref.ref(drafters.head_rows(model))
     monkeypatch.setitem(models._cache, ("tiny:weak", "torch.float32", "cpu", None, False), object())
     monkeypatch.setitem(models._cache, ("tiny:kept", "torch.float32", "cpu", None, False), object())
     alive = weakref.ref(model)
