@@ -217,10 +217,11 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
         tokens = sum(len(r["new_token_ids"]) for r in rows)
         seconds = sum(r["seconds"] for r in rows)
         rate = tokens / seconds if seconds > 0 else 0.0
-        timed = [r for r in rows if r.get("prefill_seconds") is not None]
+        # the engine's runs time their prompt pass; generate()'s (the hf-* modes) do not
+        timed = all(r.get("prefill_seconds") is not None for r in rows)
+        prefill_seconds = sum(r["prefill_seconds"] for r in rows) if timed else None
         mode_decode_rate = None
-        if len(timed) == len(rows):  # every run of the mode timed its prompt pass (not the hf-* modes)
-            prefill_seconds = sum(r["prefill_seconds"] for r in timed)
+        if prefill_seconds is not None:
             mode_decode_rate = decode_rate(tokens, seconds, prefill_seconds, runs=len(rows))
         entry: dict[str, Any] = {
             "prompts": len(rows),
@@ -242,7 +243,7 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
             plain_rate = rate
             plain_decode_rate = mode_decode_rate
             entry["mean_accepted_length"] = 1.0
-            entry["prefill_share"] = prefill_seconds / seconds if mode_decode_rate and seconds > 0 else None
+            entry["prefill_share"] = prefill_seconds / seconds if prefill_seconds is not None and seconds > 0 else None
             plain_counters = Counters.total(mode_counters) if mode_counters else None
         if plain_rate:
             entry["speedup"] = rate / plain_rate
