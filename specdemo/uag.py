@@ -274,8 +274,11 @@ class UniversalDrafter:
         if self.shared is not None:
             return replace(self._propose_shared(feed, max_tokens), catch_up_seconds=catch_up_seconds)
         drafted: list[int] = []
-        # draft tokens rarely map one to one; a few extra draft tokens give about max_tokens target tokens
-        for step in range(max_tokens + 1):
+        # k draft steps for k target tokens: the draft's pieces are shorter than the target's as often as not, and
+        # its last piece is proposed as it stands. An extra step so that the last word comes out whole (a token the
+        # target might extend further dropped) doubled the cost of a one-token draft for no gain in acceptance
+        # (measured: 43 of 79 accepted either way on chat-03, drafting 58 against 31 ms a round)
+        for step in range(max_tokens):
             logits = self._next_logits(feed)
             if self.sampling.greedy:
                 token = int(logits.argmax().item())
@@ -283,7 +286,7 @@ class UniversalDrafter:
                 probs = target_distribution(logits, self.sampling)
                 token = int(torch.multinomial(probs, 1, generator=self.generator).item())
             drafted.append(token)
-            if token in self.draft_eos_ids or step == max_tokens:
+            if token in self.draft_eos_ids or step == max_tokens - 1:
                 break
             feed = torch.tensor([token], dtype=torch.long, device=self.lm.device)
             self._cached.append(token)
@@ -293,9 +296,6 @@ class UniversalDrafter:
             return Proposal(catch_up_seconds=catch_up_seconds)
         draft_text = draft_text.rstrip(_REPLACEMENT)
         tokens = to_target_tokens(self.target_tokenizer, context, draft_text)
-        ended = drafted[-1] in self.draft_eos_ids
-        if not ended and len(tokens) > 1:
-            tokens = tokens[:-1]  # the last piece may be a word cut short: the target would merge it further
         return Proposal(tokens[:max_tokens], None, catch_up_seconds)
 
     def _propose_shared(self, feed: torch.Tensor, max_tokens: int) -> Proposal:

@@ -258,3 +258,25 @@ def test_draft_stream_follows_target_text(text: str):
     for end in range(1, len(ids) + 1):
         if drafter._sync_text(ids[:end]):
             assert sentencepiece.decode(drafter.stream) == byte_level.decode(ids[:end])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_k_token_draft_takes_k_draft_steps(k: int):
+    """Catch-up aside, proposing k tokens runs the draft k times (one step per draft token, no look-ahead step:
+    a look-ahead doubled the cost of a one-token draft for no acceptance gained), and proposes at most k tokens."""
+    byte_level, sentencepiece = tokenizers_pair()
+    draft = llama(36, layers=1, vocab=len(sentencepiece))
+    drafter = UniversalDrafter(draft, sentencepiece, byte_level, SamplingSettings(), int8=False)
+    context = byte_level(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    drafter.propose(context, 1)  # reads the prompt
+    steps: list[int] = []
+    original = drafter.lm.forward
+
+    def counted(input_ids: torch.Tensor, all_logits: bool = True) -> torch.Tensor:
+        steps.append(int(input_ids.numel()))
+        return original(input_ids, all_logits)
+
+    drafter.lm.forward = counted  # type: ignore[method-assign]
+    proposal = drafter.propose(context, k)
+    assert len(steps) == k and all(size == 1 for size in steps[1:])
+    assert len(proposal.tokens) <= k
