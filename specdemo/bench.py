@@ -204,10 +204,27 @@ def divergence_margin(target: LoadedModel, prompt_ids: list[int], reference: Seq
 # aggregation
 
 
+def repeat_rates(rows: list[dict]) -> list[float]:
+    """Tokens per second of each repeat over all ``rows`` (repeat i of every prompt together), so the spread of a
+    speedup between repeats shows beside its median; empty when the rows do not all have as many repeats."""
+    counts = {len(r.get("seconds_all_repeats") or ()) for r in rows}
+    if len(counts) != 1 or 0 in counts:
+        return []
+    rates = []
+    for index in range(counts.pop()):
+        seconds = sum(r["seconds_all_repeats"][index] for r in rows)
+        tokens = sum(r["new_tokens_all_repeats"][index] if "new_tokens_all_repeats" in r else len(r["new_token_ids"])
+                     for r in rows)
+        rates.append(tokens / seconds if seconds > 0 else 0.0)
+    return rates
+
+
 def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, str], Counters]) -> dict[str, dict]:
-    """Per mode: tokens/s over all its prompts, speedup against plain, acceptance, accepted length."""
+    """Per mode: tokens/s over all its prompts, speedup against plain (and per repeat), acceptance, accepted
+    length."""
     summary: dict[str, dict] = {}
     plain_rate = None
+    plain_repeat_rates: list[float] = []
     plain_decode_rate = None
     plain_counters = None
     for mode in modes:
@@ -237,11 +254,14 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
             "fraction_of_expected": None,
             "identical_to_plain": sum(1 for r in rows if r["identical_to_plain"]),
             "per_prompt_speedup_min": None,
+            "speedup_by_repeat": None,
         }
+        mode_repeat_rates = repeat_rates(rows)
         mode_counters = [counters[(r["id"], mode)] for r in rows if (r["id"], mode) in counters]
         if mode == "plain":
             plain_rate = rate
             plain_decode_rate = mode_decode_rate
+            plain_repeat_rates = mode_repeat_rates
             entry["mean_accepted_length"] = 1.0
             entry["prefill_share"] = prefill_seconds / seconds if prefill_seconds is not None and seconds > 0 else None
             plain_counters = Counters.total(mode_counters) if mode_counters else None
@@ -250,6 +270,12 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
             entry["decode_speedup"] = decode_speedup(mode_decode_rate, plain_decode_rate)
             per_prompt = [r["speedup"] for r in rows if r.get("speedup") is not None]
             entry["per_prompt_speedup_min"] = min(per_prompt) if per_prompt else None
+            if mode != "plain" and mode_repeat_rates and len(mode_repeat_rates) == len(plain_repeat_rates):
+                # repeat i of this mode ran beside repeat i of plain (the same prompts, interleaved)
+                entry["speedup_by_repeat"] = [
+                    rate_i / plain_i if plain_i > 0 else None
+                    for rate_i, plain_i in zip(mode_repeat_rates, plain_repeat_rates)
+                ]
         if mode_counters and mode != "plain":
             metrics = run_metrics(Counters.total(mode_counters))
             entry["acceptance_rate"] = metrics.acceptance_rate
@@ -279,16 +305,25 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _spread(speedups: list[float | None] | None) -> str:
+    """The lowest and highest speedup among repeats ("0.91-1.02x"); "-" for a single repeat or none."""
+    values = [v for v in speedups or () if v is not None]
+    if len(values) < 2:
+        return "-"
+    return f"{min(values):.2f}-{max(values):.2f}x"
+
+
 def format_table(summary: dict[str, dict], by_category: dict[str, dict[str, dict]]) -> str:
     header = (
-        f"{'category':<16} {'mode':<12} {'tok/s':>7} {'speedup':>8} {'decode':>7} {'drafted':>7} {'accept':>7} "
-        f"{'acc.len':>7} {'expect':>7} {'same':>6}"
+        f"{'category':<16} {'mode':<12} {'tok/s':>7} {'speedup':>8} {'repeats':>11} {'decode':>7} {'drafted':>7} "
+        f"{'accept':>7} {'acc.len':>7} {'expect':>7} {'same':>6}"
     )
     lines = [header, "-" * len(header)]
 
     def row(category: str, mode: str, e: dict) -> str:
         return (
             f"{category:<16} {mode:<12} {_fmt(e['tokens_per_s'], '.2f'):>7} {_fmt(e['speedup'], '.2f', 'x'):>8} "
+            f"{_spread(e.get('speedup_by_repeat')):>11} "
             f"{_fmt(e.get('decode_speedup'), '.2f', 'x'):>7} {_fmt(e.get('mean_draft_length'), '.1f'):>7} "
             f"{_fmt(e['acceptance_rate'], '.0%'):>7} {_fmt(e['mean_accepted_length'], '.2f'):>7} "
             f"{_fmt(e['expected_speedup'], '.2f', 'x'):>7} {e['identical_to_plain']:>3}/{e['prompts']:<2}"
@@ -400,6 +435,7 @@ def run_benchmark(
                 "text": run.text,
                 "seconds": run.seconds,
                 "seconds_all_repeats": [r.seconds for r in runs[mode]],
+                "new_tokens_all_repeats": [len(r.ids) for r in runs[mode]],
                 "tokens_per_s": rate,
                 "target_passes": run.counters.target_passes if run.counters else None,
                 "drafted": run.counters.drafted if run.counters else None,

@@ -114,6 +114,30 @@ def test_bench_sampling_runs(pair, prompt_file, tmp_path):
                   "--limit", "1", "--repeats", "2")
     assert [r["mode"] for r in report["results"]] == ["plain", "draft"]
     assert len(report["results"][0]["seconds_all_repeats"]) == 2
+    assert len(report["results"][1]["new_tokens_all_repeats"]) == 2
+    by_repeat = report["summary"]["draft"]["speedup_by_repeat"]
+    assert len(by_repeat) == 2 and all(value > 0 for value in by_repeat)
+
+
+def test_speedup_by_repeat_pairs_each_repeat_with_plains():
+    """Repeat i of a mode is set against repeat i of plain (they ran side by side), over all prompts together,
+    so the table can show how far the repeats spread around the median's speedup."""
+
+    def row(prompt: str, mode: str, seconds: list[float]) -> dict:
+        return {"id": prompt, "mode": mode, "new_token_ids": [1] * 10, "new_tokens_all_repeats": [10] * len(seconds),
+                "seconds": sorted(seconds)[len(seconds) // 2], "seconds_all_repeats": seconds,
+                "prefill_seconds": None, "identical_to_plain": True, "speedup": None}
+
+    rows = [row("a", "plain", [10.0, 12.0]), row("b", "plain", [10.0, 12.0]),
+            row("a", "draft", [5.0, 8.0]), row("b", "draft", [5.0, 8.0])]
+    summary = bench.aggregate(rows, ["plain", "draft"], {})
+    assert summary["draft"]["speedup_by_repeat"] == pytest.approx([2.0, 1.5])
+    assert summary["plain"]["speedup_by_repeat"] is None  # plain against itself says nothing
+    table = bench.format_table(summary, {})
+    assert "1.50-2.00x" in table and "repeats" in table
+    single = bench.aggregate([row("a", "plain", [10.0]), row("a", "draft", [5.0])], ["plain", "draft"], {})
+    assert single["draft"]["speedup_by_repeat"] == pytest.approx([2.0])
+    assert "-" in bench.format_table(single, {}).splitlines()[-1]
 
 
 @pytest.mark.parametrize(
