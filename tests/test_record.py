@@ -295,6 +295,12 @@ def test_video_settings_are_checked() -> None:
 # the command line
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path_factory, monkeypatch):
+    """Calibrations of the tiny models go to a folder of the test's, not the user's cache."""
+    monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[str, str]:
     from tiny import save_tiny_pair

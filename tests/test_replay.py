@@ -41,6 +41,12 @@ def test_replay_of_a_copied_answer():
         replay.replay_passes(NgramDrafter(1, 4), prompt, output, -1)
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path_factory, monkeypatch):
+    """Calibrations of the tiny models go to a folder of the test's, not the user's cache."""
+    monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
 def test_replay_cli_on_a_bench_json(tmp_path: Path, capsys):
     target, draft = save_tiny_pair(tmp_path / "pair")
     prompts = tmp_path / "p.jsonl"
