@@ -206,17 +206,9 @@ def divergence_margin(target: LoadedModel, prompt_ids: list[int], reference: Seq
 
 def repeat_rates(rows: list[dict]) -> list[float]:
     """Tokens per second of each repeat over all ``rows`` (repeat i of every prompt together), so the spread of a
-    speedup between repeats shows beside its median; empty when the rows do not all have as many repeats."""
-    counts = {len(r.get("seconds_all_repeats") or ()) for r in rows}
-    if len(counts) != 1 or 0 in counts:
-        return []
-    rates = []
-    for index in range(counts.pop()):
-        seconds = sum(r["seconds_all_repeats"][index] for r in rows)
-        tokens = sum(r["new_tokens_all_repeats"][index] if "new_tokens_all_repeats" in r else len(r["new_token_ids"])
-                     for r in rows)
-        rates.append(tokens / seconds if seconds > 0 else 0.0)
-    return rates
+    speedup between repeats shows beside its median."""
+    per_repeat = zip(zip(*(r["new_tokens_all_repeats"] for r in rows)), zip(*(r["seconds_all_repeats"] for r in rows)))
+    return [sum(tokens) / sum(seconds) if sum(seconds) > 0 else 0.0 for tokens, seconds in per_repeat]
 
 
 def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, str], Counters]) -> dict[str, dict]:
@@ -270,8 +262,7 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
             entry["decode_speedup"] = decode_speedup(mode_decode_rate, plain_decode_rate)
             per_prompt = [r["speedup"] for r in rows if r.get("speedup") is not None]
             entry["per_prompt_speedup_min"] = min(per_prompt) if per_prompt else None
-            if mode != "plain" and mode_repeat_rates and len(mode_repeat_rates) == len(plain_repeat_rates):
-                # repeat i of this mode ran beside repeat i of plain (the same prompts, interleaved)
+            if mode != "plain":  # repeat i of this mode ran beside repeat i of plain (the same prompts, interleaved)
                 entry["speedup_by_repeat"] = [
                     rate_i / plain_i if plain_i > 0 else None
                     for rate_i, plain_i in zip(mode_repeat_rates, plain_repeat_rates)

@@ -13,3 +13,10 @@ def one_torch_thread():
 
     with tiny_app.one_thread():
         yield
+
+
+@pytest.fixture
+def own_cache(tmp_path_factory, monkeypatch):
+    """Calibrations of tiny models go to a folder of the test's, not the user's cache (``SPECDEMO_CACHE``); for
+    modules that run the bench or recorder CLIs, whose tests calibrate."""
+    monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path_factory.mktemp("cache")))

@@ -13,10 +13,7 @@ from specdemo.models import clear_model_cache
 from tiny import save_tiny_heads, save_tiny_pair
 
 
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch):
-    """Calibrations of the tiny models go to a folder of the test's, not the user's cache."""
-    monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from specdemo import html_replay, racelog, record, ui, video
 from specdemo.racelog import RaceLog, RaceLogError
 from specdemo.views import RaceState
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "own_cache")
 
 PROMPT = "hello world the cat sat on the mat"
 CHROMIUM = os.environ.get("SPECDEMO_CHROMIUM", "/usr/bin/chromium")
@@ -293,12 +293,6 @@ def test_video_settings_are_checked() -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # the command line
-
-
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path_factory, monkeypatch):
-    """Calibrations of the tiny models go to a folder of the test's, not the user's cache."""
-    monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path_factory.mktemp("cache")))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from specdemo.models import clear_model_cache
 
 from tiny import save_tiny_pair, qwen2, reference_greedy
 
+pytestmark = pytest.mark.usefixtures("own_cache")
+
 
 def test_replay_counts_the_passes_the_engine_makes():
     target = qwen2(3)
@@ -39,12 +41,6 @@ def test_replay_of_a_copied_answer():
     assert replay.replay_passes(NgramDrafter(1, 4), prompt, [], 4) == 0
     with pytest.raises(ValueError):
         replay.replay_passes(NgramDrafter(1, 4), prompt, output, -1)
-
-
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path_factory, monkeypatch):
-    """Calibrations of the tiny models go to a folder of the test's, not the user's cache."""
-    monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path_factory.mktemp("cache")))
 
 
 def test_replay_cli_on_a_bench_json(tmp_path: Path, capsys):
