@@ -28,6 +28,8 @@ SWITCH_MARGIN = 0.03
 #: a verify length's cost (and the draft's cost per token) is a low quantile of its latest measurements: slow
 #: outliers (another process, a page fault) cannot move it, and there are no fast ones
 RECENT_PASSES = 5
+#: stands in a run of measurements for the calibrated cost (see :meth:`CostAwareDraftLength._refresh_estimates`)
+PRIOR = None
 
 
 class DraftLengthPolicy(Protocol):
@@ -121,7 +123,10 @@ class CostAwareDraftLength:
 
     ``prior``: the machine's measured cost curve (:mod:`specdemo.calibration`): its verify costs (and
     ``draft_seconds_per_token``) count as one measurement each, so the first decisions rest on this machine's costs
-    rather than on nothing. The time a drafter spends catching up on text written during plain steps is no cost per
+    rather than on nothing. They are scaled by how much slower or faster this run's passes are than the curve
+    says: a machine's speed drifts with its load (a one-token pass calibrated at 85 ms took 103-117 ms in runs
+    minutes later), and a stale cost for a rarely measured length would make a 2-token pass look cheaper than a
+    plain step measured now. The time a drafter spends catching up on text written during plain steps is no cost per
     drafted token: the engine books it apart (``catch_up_seconds``, from ``Proposal.catch_up_seconds``), so a probe
     after a run of plain steps does not make drafting look dearer than it is.
     """
@@ -151,8 +156,13 @@ class CostAwareDraftLength:
         self._passed_at = [0.0] * k_max  # ... and accepted
         self._draft_time_per_token: float | None = None
         self._verify_time: dict[int, float] = {}  # verify input length -> estimated seconds
-        self._verify_recent: dict[int, deque[float]] = {}  # verify input length -> its latest passes
-        self._draft_recent: deque[float] = deque(maxlen=RECENT_PASSES)  # latest draft seconds per token
+        # verify input length -> its latest passes (seconds), or PRIOR for the calibrated cost
+        self._verify_recent: dict[int, deque[float | None]] = {}
+        self._draft_recent: deque[float | None] = deque(maxlen=RECENT_PASSES)  # latest draft seconds per token
+        self._prior = prior
+        self._prior_draft = draft_seconds_per_token if prior is not None else None
+        # this run's passes over what the calibrated curve says they cost: how much slower the machine is now
+        self._drift_recent: deque[float] = deque(maxlen=2 * RECENT_PASSES)
         self._rounds = 0
         self._rounds_since_draft = 0
         self._plain_seconds_since_draft = 0.0
@@ -160,13 +170,12 @@ class CostAwareDraftLength:
         self._plain_measured = False  # a plain step timed in this run (TreeBudget times one even with a prior)
         self.k = self.k_start
         if prior is not None:
-            for length, seconds in zip(prior.lengths, prior.seconds):
+            for length in prior.lengths:
                 if length <= k_max + 1:
-                    self._verify_time[length] = seconds
-                    self._verify_recent[length] = deque([seconds], maxlen=RECENT_PASSES)
-            self._draft_time_per_token = draft_seconds_per_token
+                    self._verify_recent[length] = deque([PRIOR], maxlen=RECENT_PASSES)
             if draft_seconds_per_token is not None:
-                self._draft_recent.append(draft_seconds_per_token)
+                self._draft_recent.append(PRIOR)
+            self._refresh_estimates()
 
     @property
     def acceptance(self) -> float:
@@ -276,9 +285,10 @@ class CostAwareDraftLength:
         self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, catch_up_seconds: float = 0.0
     ) -> None:
         length = drafted + 1
-        recent = self._verify_recent.setdefault(length, deque(maxlen=RECENT_PASSES))
-        recent.append(verify_seconds)
-        self._verify_time[length] = _low_quantile(recent)
+        self._verify_recent.setdefault(length, deque(maxlen=RECENT_PASSES)).append(verify_seconds)
+        if self._prior is not None:
+            self._drift_recent.append(verify_seconds / (self._prior.seconds[0] * self._prior.cost(length)))
+        self._refresh_estimates()
         if drafted == 0 and self.k > 0 and draft_seconds + catch_up_seconds > EMPTY_DRAFT_SHARE * verify_seconds:
             # the drafter worked (caught up, drafted) and came back empty (a universal drafter's text that maps to no
             # target token): a draft of one token, rejected, or the policy would keep paying for nothing
@@ -290,7 +300,7 @@ class CostAwareDraftLength:
             return
         self._end_drafting_pause(catch_up_seconds)
         self._draft_recent.append(draft_seconds / drafted)
-        self._draft_time_per_token = _low_quantile(self._draft_recent)
+        self._refresh_estimates()
         self._accepted = self.decay * self._accepted + accepted
         self._rejections = self.decay * self._rejections + (1.0 if accepted < drafted else 0.0)
         for position in range(self.k_max):
@@ -300,6 +310,22 @@ class CostAwareDraftLength:
             self._tested_at[position] += 1.0
             if position < accepted:
                 self._passed_at[position] += 1.0
+
+    def _refresh_estimates(self) -> None:
+        """Each verify length's cost and the draft's cost per token: a low quantile of the latest measurements,
+        the calibrated cost among them while it is one of the latest. The calibrated cost counts as measured on
+        the machine as it runs now: times the low quantile of this run's passes over what the curve says they
+        cost (many passes of every length, so one slow pass cannot move it)."""
+        drift = _low_quantile(self._drift_recent) if self._drift_recent else 1.0
+
+        def resolved(recent: Sequence[float | None], calibrated: float) -> list[float]:
+            return [calibrated * drift if seconds is PRIOR else seconds for seconds in recent]
+
+        for length, recent in self._verify_recent.items():
+            calibrated = self._prior.seconds[0] * self._prior.cost(length) if self._prior is not None else 0.0
+            self._verify_time[length] = _low_quantile(resolved(recent, calibrated))
+        if self._draft_recent:
+            self._draft_time_per_token = _low_quantile(resolved(self._draft_recent, self._prior_draft or 0.0))
 
     def _end_drafting_pause(self, catch_up_seconds: float) -> None:
         """The drafter had a round (drafts or a probe): book its catch-up per plain step it sat out, and restart

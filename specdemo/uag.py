@@ -78,8 +78,11 @@ def reencode_after(
 def to_target_tokens(
     tokenizer: PreTrainedTokenizerBase, context: Sequence[int], text: str, anchor_sizes: Sequence[int] = (4, 2, 1, 6)
 ) -> list[int]:
-    """Target ids that continue ``context`` with ``text``; [] when the text cannot be appended at a token seam
-    (it would merge with the context's last token)."""
+    """Target ids that continue ``context`` with ``text``, tokenised together with the context's last tokens.
+
+    Where the text would merge with the context's last token (a newline after a newline, "gan" after "Ve"), the
+    target, having written that token, goes on with the text's own tokens: those, when they decode to the text
+    after the context; [] when nothing continues the context exactly."""
     if not text:
         return []
     for size in anchor_sizes:
@@ -89,6 +92,10 @@ def to_target_tokens(
         encoded = _encode(tokenizer, _decode(tokenizer, anchor) + text)
         if encoded[:size] == anchor:
             return encoded[size:]
+    alone = _encode(tokenizer, text)
+    anchor = list(context[-1:])
+    if alone and _decode(tokenizer, anchor + alone) == _decode(tokenizer, anchor) + text:
+        return alone
     return []
 
 

@@ -237,15 +237,21 @@ def test_byte_fallback_pieces_and_split_characters():
         assert piece is None or text.endswith(piece.replace("\ufffd", "")) or "\ufffd" in piece
 
 
-def test_to_target_tokens_refuses_a_merge_with_the_context():
-    byte_level, _ = tokenizers_pair()
-    context = byte_level("def add(a, b):\n    ret", add_special_tokens=False)["input_ids"]
-    # "urn" would merge with "ret" in the byte-level tokenizer if the merge exists; either way the result must
-    # continue the context exactly
-    tokens = to_target_tokens(byte_level, context, "urn a + b")
-    if tokens:
-        assert byte_level.decode(context + tokens) == "def add(a, b):\n    return a + b"
-    assert to_target_tokens(byte_level, context, "") == []
+def test_to_target_tokens_continues_the_context_exactly_even_where_the_text_would_merge_with_it():
+    """A draft text that would merge with the context's last token (a newline after a newline: one token when
+    written together) is still proposed, as the tokens the target writes after the token it already wrote (a
+    draft round that comes back empty is a draft step paid for nothing); any proposal continues the context."""
+    byte_level, sentencepiece = tokenizers_pair()
+    cases = [("def add(a, b):\n    ret", "urn a + b"), ("x = 1\n", "\n"), ("print(x)\n", "    y"), ("a  ", " b")]
+    for tokenizer in (byte_level, sentencepiece):
+        for before, text in cases:
+            context = tokenizer(before, add_special_tokens=False)["input_ids"]
+            tokens = to_target_tokens(tokenizer, context, text)
+            if tokenizer is byte_level:  # byte-level pieces always join: every text is proposed
+                assert tokens, (before, text)
+            if tokens:
+                assert tokenizer.decode(context + tokens) == before + text
+        assert to_target_tokens(tokenizer, context, "") == []
 
 
 @pytest.mark.parametrize("text", [t for t in TRICKY if t])
