@@ -33,7 +33,9 @@ PRIOR = None
 
 
 class DraftLengthPolicy(Protocol):
-    def next_length(self) -> int: ...
+    def next_length(self, remaining: int | None = None) -> int:
+        """Tokens to draft this round; ``remaining``: how many more tokens the run may write (None: unknown)."""
+        ...
 
     def update(
         self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, catch_up_seconds: float = 0.0
@@ -46,7 +48,7 @@ class FixedDraftLength:
 
     k: int
 
-    def next_length(self) -> int:
+    def next_length(self, remaining: int | None = None) -> int:
         return self.k
 
     def update(
@@ -63,7 +65,7 @@ class HeuristicDraftLength:
     k_min: int = 1
     k_max: int = 16
 
-    def next_length(self) -> int:
+    def next_length(self, remaining: int | None = None) -> int:
         return self.k
 
     def update(
@@ -115,7 +117,8 @@ class CostAwareDraftLength:
     k = 0 is a plain target step, so when drafts keep being rejected the policy falls back to (nearly) plain
     decoding; it still probes a one-token draft now and then so that it notices when drafting starts to pay again:
     after ``probe_every`` plain steps, twice as many after each probe that did not bring drafting back (up to
-    ``max_probe_every``), since a probe costs a draft step plus whatever the drafter must catch up on. Where the
+    ``max_probe_every``), since a probe costs a draft step plus whatever the drafter must catch up on, and none
+    when fewer tokens are left to write than plain steps it waited for (it could not pay for itself). Where the
     costs say drafting could hardly pay even at a good acceptance (a verify pass over k tokens costs nearly k plain
     steps), probes come only while their expected cost fits in ``PROBE_BUDGET`` of the plain-decoding time, and
     the first round drafts a single token. Acceptance estimates are exponentially weighted, so the policy follows
@@ -250,7 +253,7 @@ class CostAwareDraftLength:
         extra = (self._draft_time_per_token or 0.0) + catch_up + self._verify_cost(2) - plain * (1.0 + acceptance)
         return extra <= PROBE_BUDGET * self._plain_seconds_since_draft
 
-    def next_length(self) -> int:
+    def next_length(self, remaining: int | None = None) -> int:
         self._rounds += 1
         if self._rounds == 1 or self._draft_time_per_token is None or not self._verify_time:
             # a first look at acceptance; a single draft token where the prior says drafting can hardly pay
@@ -274,7 +277,12 @@ class CostAwareDraftLength:
         self._probing = (
             best_k == 0
             and self._rounds_since_draft >= self._probe_interval
-            and (self.drafting_could_pay() or self._probe_fits_budget(acceptance_at[0]))
+            # a probe near the end of a run could not pay for itself: too few tokens left to draft if it succeeds
+            and (remaining is None or remaining > self._probe_interval)
+            # past the longest wait (probes held back while drafting could hardly pay) the drafter's catch-up
+            # on everything written since grows without bound: such a probe must fit the budget whatever the costs
+            and ((self.drafting_could_pay() and self._rounds_since_draft <= self.max_probe_every)
+                 or self._probe_fits_budget(acceptance_at[0]))
         )
         if self._probing:
             best_k = 1
@@ -346,7 +354,7 @@ class TreeBudget(CostAwareDraftLength):
     policy (measured passes fitted on top of the calibrated curve) for the drafter, which sizes each tree itself
     from its candidates' probabilities (see :class:`specdemo.medusa.MedusaDrafter`)."""
 
-    def next_length(self) -> int:
+    def next_length(self, remaining: int | None = None) -> int:
         self._rounds += 1
         if self._rounds == 2 and self.measure_plain_step and not self._plain_measured:
             # time a plain step in this run, calibrated or not: the machine's speed drifts with its load (one-token

@@ -330,7 +330,7 @@ def speculative_decode(
     while True:
         round_index += 1
         remaining = settings.max_new_tokens - len(output.ids)
-        wanted = min(policy.next_length(), remaining - 1)
+        wanted = min(policy.next_length(remaining), remaining - 1)
 
         start = now(device)
         proposal = drafter.propose(context, wanted) if wanted > 0 else Proposal()

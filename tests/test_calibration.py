@@ -232,6 +232,26 @@ def test_the_policy_knows_where_drafting_can_pay_and_shrugs_off_slow_outliers() 
     assert policy._verify_cost(1) < 0.2
 
 
+def test_calibrated_costs_count_at_the_speed_the_machine_runs_now() -> None:
+    """A curve calibrated while the machine was quieter (a one-token pass 85 ms, a 2-token pass 1.08 of it); in
+    this run every pass takes 30 % longer. The 2-token cost, never measured in this run, counts at this run's speed,
+    so a 2-token pass does not look cheaper than a plain step (it did: 92 ms calibrated against plain steps measured
+    at 110 ms, and uag drafted where it lost); one slow pass does not move the machine's speed."""
+    from specdemo.draft_length import CostAwareDraftLength
+
+    calibrated = curve(AVX2, 0.085, [1.0, 1.08, 1.2, 1.88, 3.45], draft=0.030)
+    slower = 1.3
+    policy = CostAwareDraftLength(prior=calibrated, draft_seconds_per_token=0.030)
+    assert policy._verify_cost(2) == pytest.approx(0.085 * 1.08)
+    policy.update(policy.next_length(), 0, 4 * 0.030 * slower, 0.085 * calibrated.cost(5) * slower)
+    for seconds in (0.085 * slower, 0.085 * slower, 3 * 0.085 * slower, 0.085 * slower):
+        policy.update(0, 0, 0.0, seconds)
+    assert policy._verify_cost(1) == pytest.approx(0.085 * slower)
+    assert policy._verify_cost(2) == pytest.approx(0.085 * 1.08 * slower)
+    assert policy._verify_cost(2) > policy._verify_cost(1)
+    assert policy._draft_time_per_token == pytest.approx(0.030 * slower)
+
+
 def test_the_drafter_books_its_catch_up_apart() -> None:
     """After plain steps the draft model catches up in a pass of its own, timed apart from drafting."""
     from specdemo.drafters import DraftModelDrafter

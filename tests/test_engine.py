@@ -227,6 +227,17 @@ def test_adaptive_policy_backs_off_probes_that_keep_failing():
     assert policy.next_length() > 0 and policy._probe_interval == policy.probe_every
 
 
+def test_no_probe_near_the_end_of_a_run():
+    """A probe decides whether to draft over the stretch ahead: with fewer tokens left than the plain steps it
+    waited for, it could not pay for itself (measured: a probe three tokens before the end of a 128-token uag run
+    cost 220 ms)."""
+    policy = paused_policy()
+    for _ in range(20):  # a probe is due after 8 plain steps, but never more than 8 tokens are left
+        assert policy.next_length(remaining=policy.probe_every) == 0
+        policy.update(0, 0, 0.0, 0.1)
+    assert policy.next_length(remaining=policy.probe_every + 1) == 1
+
+
 def test_a_draft_that_comes_back_empty_counts_as_rejected():
     """A universal drafter can work (catch up, draft) and still return no target token: that round counts as a
     rejected draft, so the next probe waits its turn instead of coming the very next round, and a policy that
