@@ -295,8 +295,7 @@ class CostAwareDraftLength:
         length = drafted + 1
         self._verify_recent.setdefault(length, deque(maxlen=RECENT_PASSES)).append(verify_seconds)
         if self._prior is not None:
-            self._drift_recent.append(verify_seconds / (self._prior.seconds[0] * self._prior.cost(length)))
-        self._refresh_estimates()
+            self._drift_recent.append(verify_seconds / self._calibrated_seconds(length))
         if drafted == 0 and self.k > 0 and draft_seconds + catch_up_seconds > EMPTY_DRAFT_SHARE * verify_seconds:
             # the drafter worked (caught up, drafted) and came back empty (a universal drafter's text that maps to no
             # target token): a draft of one token, rejected, or the policy would keep paying for nothing
@@ -305,6 +304,7 @@ class CostAwareDraftLength:
             self._plain_measured = True
             self._rounds_since_draft += 1  # a plain step, or a lookup that found nothing and cost nothing
             self._plain_seconds_since_draft += verify_seconds
+            self._refresh_estimates()
             return
         self._end_drafting_pause(catch_up_seconds)
         self._draft_recent.append(draft_seconds / drafted)
@@ -319,6 +319,11 @@ class CostAwareDraftLength:
             if position < accepted:
                 self._passed_at[position] += 1.0
 
+    def _calibrated_seconds(self, length: int) -> float:
+        """What the calibrated curve (``prior``, required) says a verify pass over ``length`` tokens costs."""
+        assert self._prior is not None
+        return self._prior.seconds[0] * self._prior.cost(length)
+
     def _refresh_estimates(self) -> None:
         """Each verify length's cost and the draft's cost per token: a low quantile of the latest measurements,
         the calibrated cost among them while it is one of the latest. The calibrated cost counts as measured on
@@ -330,7 +335,7 @@ class CostAwareDraftLength:
             return [calibrated * drift if seconds is PRIOR else seconds for seconds in recent]
 
         for length, recent in self._verify_recent.items():
-            calibrated = self._prior.seconds[0] * self._prior.cost(length) if self._prior is not None else 0.0
+            calibrated = self._calibrated_seconds(length) if self._prior is not None else 0.0
             self._verify_time[length] = _low_quantile(resolved(recent, calibrated))
         if self._draft_recent:
             self._draft_time_per_token = _low_quantile(resolved(self._draft_recent, self._prior_draft or 0.0))
