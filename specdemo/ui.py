@@ -1059,12 +1059,19 @@ class Recorder:
 # ----------------------------------------------------------------------------------------------------------------
 # the page
 
+# A stream update already on its way when Stop is pressed can land after the cancel and redraw a "running…" chip, so
+# the page stays marked as stopped (until the next Run) and an observer re-marks whatever such a late update draws.
 STOP_JS = (
-    "() => { document.querySelectorAll('.chip-running').forEach(c => "
+    "() => { window.specdemoStopped = true; const mark = () => { "
+    "document.querySelectorAll('.chip-running').forEach(c => "
     "{ c.textContent = 'stopped'; c.className = 'chip chip-idle'; }); "
-    "document.querySelectorAll('#identical .badge-pending').forEach(b => "
-    "{ b.textContent = 'stopped before the end: no comparison'; }); return []; }"
+    "document.querySelectorAll('#identical .badge-pending').forEach(b => { "
+    "const text = 'stopped before the end: no comparison'; if (b.textContent !== text) b.textContent = text; }); }; "
+    "window.specdemoMarkStopped = mark; mark(); if (!window.specdemoStopObserver) { window.specdemoStopObserver = new MutationObserver("
+    "() => { if (window.specdemoStopped) window.specdemoMarkStopped(); }); "
+    "window.specdemoStopObserver.observe(document.body, {childList: true, subtree: true}); } return []; }"
 )
+RUN_JS = "(...inputs) => { window.specdemoStopped = false; return inputs; }"  # runs before the race, inputs unchanged
 STOPPED_TEXT = "Stopped: the race was cancelled; the panes show how far each side got."
 
 SHOW_REJECTED_JS = "(show) => { document.body.classList.toggle('show-rejected', !!show); return []; }"
@@ -1300,6 +1307,7 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
             api_name="race_stream",
             show_progress="minimal",
             validator=handlers.race_validator,
+            js=RUN_JS,
         )
         # recordings: only once the race has ended, on the device's queue so that no race runs meanwhile
         recorder = Recorder()

@@ -125,6 +125,10 @@ def test_stop_ends_a_running_race(page) -> None:
     assert page.locator("#plain-output .tok").count() == count < 480  # nothing more arrives
     assert "running" not in page.inner_text("#plain-stats")
     assert "pending" in (page.locator("#identical .badge").get_attribute("class") or "")
+    # a stream update already on its way when Stop was pressed may land after the cancel: it is marked stopped too
+    page.evaluate("document.querySelector('#plain-stats').insertAdjacentHTML('beforeend', "
+                  "'<span class=\"chip chip-running\">running…</span>')")
+    page.wait_for_function("!document.querySelector('#plain-stats').innerText.includes('running')", timeout=2_000)
 
 
 def test_the_race_can_be_downloaded_and_previewed(page) -> None:
