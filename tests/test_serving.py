@@ -212,7 +212,7 @@ def test_a_cancelled_api_race_frees_the_queue(served) -> None:
     job = start_slow_race(client, spied)
     time.sleep(0.3)
     job.cancel()
-    assert wait_for(lambda: closed(spied[:2]), 2.0), "the cancelled race is still running"
+    assert wait_for(lambda: closed(spied[:2]), 5.0), "the cancelled race is still running"
     started = time.monotonic()
     assert client.predict(prompt=PROMPT, pair="tiny", max_new_tokens=8, api_name="/race")["identical"] is True
     assert time.monotonic() - started < 10
@@ -251,8 +251,8 @@ def test_bad_input_is_refused_at_once_while_a_race_holds_the_worker(served) -> N
             started = time.monotonic()
             with pytest.raises(Exception, match=message):
                 client.predict(api_name="/race", **kwargs)
-            assert time.monotonic() - started < 1.0  # not queued behind the running race
+            assert time.monotonic() - started < 3.0  # not queued behind the running race (about 10 s)
         assert not job.done()
     finally:
         job.cancel()
-    assert wait_for(lambda: closed(spied[:2]), 2.0)
+    assert wait_for(lambda: closed(spied[:2]), 5.0)
