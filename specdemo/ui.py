@@ -1329,8 +1329,10 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
             api_visibility="private",
             show_progress="minimal",
         )
-        stop.click(fn=None, cancels=[run_event], js=STOP_JS)
-        stop.click(lambda: STOPPED_TEXT, outputs=status, queue=False, api_visibility="private")
+        # the status after the cancel, so that it comes after the race's last update
+        stop.click(fn=None, cancels=[run_event], js=STOP_JS).then(
+            lambda: STOPPED_TEXT, outputs=status, queue=False, api_visibility="private"
+        )
         pair.change(lambda key: _pair_info(config, key), inputs=pair, outputs=pair_info, queue=False,
                     api_visibility="private")
         pair.change(lambda key, current: mode_for_pair(config, key, current), inputs=[pair, mode], outputs=mode,
