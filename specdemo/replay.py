@@ -10,6 +10,15 @@ under a second per rule: a fair way to compare lookup rules on a machine whose s
 The rules are our n-gram drafter with each ``prefer`` setting (n from 4 down to 1) and transformers' prompt lookup
 rule (first occurrence, n from 2 down to 1) run in the same loop. The draft length is fixed, so the figures compare
 which tokens each rule proposes, not the adaptive policy.
+
+With ``--cost-curve`` (a calibration: a bench JSON's ``calibration`` field, a cached calibration file, or a recorded
+curve such as ``assets/curves/avx2-only-fbgemm-int8.json``), the n-gram mode as the app runs it (the ``follow`` rule)
+is replayed on that machine's costs as well: every verify pass costs what the curve says a pass over its length
+costs, and the adaptive draft length decides on those costs as it would there. That gives the decode speedup (after
+the prompt pass) the mode reaches on a class of CPU that is not at hand, with no timing noise:
+
+    python -m specdemo.replay assets/bench/w8a8-code-editing-avx2-kernels-r3.json \
+        --cost-curve assets/curves/avx2-only-fbgemm-int8.json
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .calibration import CostCurve
+from .draft_length import DraftLengthPolicy, FixedDraftLength, make_policy
 from .drafters import NGRAM_PREFERENCES, Drafter, NgramDrafter, Proposal, RoundResult
 from .models import ModelLoadError
 from .offline import OfflinePackError
@@ -41,31 +52,61 @@ class ReplayItem:
     output_ids: list[int]
 
 
-def replay_passes(drafter: Drafter, prompt_ids: Sequence[int], output_ids: Sequence[int], draft_tokens: int) -> int:
-    """Target passes greedy speculation with ``drafter`` (at most ``draft_tokens`` per round) needs for the output.
+@dataclass(frozen=True)
+class ReplayRun:
+    """One replayed run: its target passes (the prompt pass included) and, on a cost curve, the seconds of the passes
+    after the prompt pass, beside plain decoding's for the same tokens (one pass each)."""
+
+    new_tokens: int
+    passes: int
+    seconds: float = 0.0
+    plain_seconds: float = 0.0
+
+
+def replay_run(
+    drafter: Drafter,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    policy: DraftLengthPolicy,
+    cost_curve: CostCurve | None = None,
+) -> ReplayRun:
+    """Greedy speculation with ``drafter`` over the recorded output, each round as long as ``policy`` asks.
 
     As in the engine: the prompt pass writes the first token, then each round drafts, accepts the longest prefix
-    that matches the output and adds the target's own token; no round drafts past ``len(output_ids)``.
+    that matches the output and adds the target's own token; no round drafts past ``len(output_ids)``. On a
+    ``cost_curve`` a verify pass over n tokens costs what the curve says, and the policy is told so (drafting itself
+    is booked at no cost: an n-gram lookup takes microseconds beside a target pass).
     """
-    if draft_tokens < 0:
-        raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
     if not output_ids:
-        return 0
+        return ReplayRun(0, 0)
+    one_pass = cost_curve.seconds[0] if cost_curve is not None else 0.0
     drafter.start(list(prompt_ids))
     context = list(prompt_ids) + [output_ids[0]]
     position = passes = 1
+    seconds = 0.0
     while position < len(output_ids):
-        wanted = min(draft_tokens, len(output_ids) - position - 1)
+        remaining = len(output_ids) - position
+        wanted = min(policy.next_length(remaining), remaining - 1)
         draft = drafter.propose(context, wanted).tokens[:wanted] if wanted > 0 else []
         accepted = 0
         while accepted < len(draft) and draft[accepted] == output_ids[position + accepted]:
             accepted += 1
         drafter.feedback(RoundResult(Proposal(list(draft)), Verdict(accepted, int(output_ids[position + accepted]))))
+        verify_seconds = one_pass * (cost_curve.cost(len(draft) + 1) if cost_curve is not None else 1.0)
+        policy.update(len(draft), accepted, 0.0, verify_seconds)
+        seconds += verify_seconds
         produced = output_ids[position : position + accepted + 1]
         context.extend(produced)
         position += len(produced)
         passes += 1
-    return passes
+    return ReplayRun(len(output_ids), passes, seconds, one_pass * (len(output_ids) - 1))
+
+
+def replay_passes(drafter: Drafter, prompt_ids: Sequence[int], output_ids: Sequence[int], draft_tokens: int) -> int:
+    """Target passes greedy speculation with ``drafter`` (``draft_tokens`` per round at most) needs for the output."""
+    if draft_tokens < 0:
+        raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
+    return replay_run(drafter, prompt_ids, output_ids, FixedDraftLength(draft_tokens)).passes
 
 
 def ngram_rules(min_n: int = 1, max_n: int = 4) -> dict[str, Callable[[], Drafter]]:
@@ -138,24 +179,130 @@ def format_replay(table: dict[str, dict[str, float]], draft_tokens: int) -> str:
     return "\n".join(lines)
 
 
+#: the fixed draft lengths a replay on a cost curve sets beside the adaptive one
+CURVE_DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8, 10, 12)
+
+
+@dataclass(frozen=True)
+class CurveRow:
+    """A group of prompts replayed on a cost curve: the decode speedup (plain decoding's passes after the prompt pass
+    over speculation's) with the adaptive draft length and with the best fixed one, and plain's prompt-pass share."""
+
+    group: str
+    adaptive: float
+    tokens_per_pass: float
+    best_fixed: float
+    best_k: int
+    prefill_share: float | None
+
+    @property
+    def end_to_end(self) -> float | None:
+        """The speedup with the prompt pass in, that pass taking the share of plain's time it took in the run."""
+        if self.prefill_share is None:
+            return None
+        return 1.0 / (self.prefill_share + (1.0 - self.prefill_share) / self.adaptive)
+
+
+def decode_speedups_on_curve(
+    items: Sequence[ReplayItem], cost_curve: CostCurve, prefill_shares: dict[str, float] | None = None,
+    max_draft_length: int = 12, prefer: str = "follow",
+) -> list[CurveRow]:
+    """Per category and over all (``"ALL"``): the n-gram mode (rule ``prefer``) replayed on ``cost_curve``."""
+    runs: dict[str, dict[str, list[ReplayRun]]] = defaultdict(lambda: defaultdict(list))
+    for item in items:
+        policies: dict[str, DraftLengthPolicy] = {
+            "adaptive": make_policy("adaptive", max_draft_length, free_drafts=True, prior=cost_curve)
+        }
+        policies.update({str(k): FixedDraftLength(k) for k in CURVE_DRAFT_LENGTHS if k <= max_draft_length})
+        for name, policy in policies.items():
+            run = replay_run(NgramDrafter(1, 4, prefer), item.prompt_ids, item.output_ids, policy, cost_curve)
+            for group in (item.category, "ALL"):
+                runs[group][name].append(run)
+
+    def speedup(group_runs: list[ReplayRun]) -> float:
+        return sum(r.plain_seconds for r in group_runs) / max(1e-12, sum(r.seconds for r in group_runs))
+
+    rows = []
+    for group in [g for g in runs if g != "ALL"] + ["ALL"]:
+        by_policy = runs[group]
+        adaptive = by_policy.pop("adaptive")
+        best_k = max(by_policy, key=lambda k: speedup(by_policy[k]))
+        tokens = sum(r.new_tokens - 1 for r in adaptive)
+        passes = sum(r.passes - 1 for r in adaptive)
+        rows.append(CurveRow(group, speedup(adaptive), tokens / max(1, passes), speedup(by_policy[best_k]),
+                             int(best_k), (prefill_shares or {}).get(group)))
+    return rows
+
+
+def format_curve_rows(rows: Sequence[CurveRow], cost_curve: CostCurve) -> str:
+    relative = " / ".join(f"{r:.2f}" for r in cost_curve.relative[1:])
+    lengths = "/".join(str(k) for k in cost_curve.lengths[1:])
+    lines = [
+        f"n-gram ('follow'), replayed on the costs of: {cost_curve.hardware.describe()}",
+        f"  {cost_curve.target} in {cost_curve.dtype}: a one-token pass {cost_curve.seconds[0] * 1000:.0f} ms; "
+        f"passes over {lengths} tokens cost {relative} one-token passes",
+        "decode speedup after the prompt pass (no timing noise); end to end with the prompt pass taking the share of "
+        "plain's time it took in the run",
+        f"{'category':<16}{'adaptive':>10}{'tok/pass':>10}{'best fixed':>12}{'end to end':>12}",
+    ]
+    for row in rows:
+        end = f"{row.end_to_end:.2f}x" if row.end_to_end is not None else "-"
+        fixed = f"{row.best_fixed:.2f}x k={row.best_k}"
+        lines.append(f"{row.group:<16}{row.adaptive:>9.2f}x{row.tokens_per_pass:>10.2f}{fixed:>12}{end:>12}")
+    return "\n".join(lines)
+
+
+def load_cost_curve(path: Path) -> CostCurve:
+    """A cost curve from a calibration file or from a bench JSON's ``calibration`` field."""
+    try:
+        data = json.loads(Path(path).read_text())
+        if isinstance(data, dict) and "calibration" in data:
+            data = data["calibration"]
+        if not data:
+            raise ValueError("it holds no calibration")
+        return CostCurve.from_dict(data)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: not a cost curve ({error})") from None
+
+
+def prefill_shares(path: Path) -> dict[str, float]:
+    """Per category and over all: plain's prompt passes' share of its time in a bench JSON."""
+    report = json.loads(Path(path).read_text())
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for r in report["results"]:
+        if r["mode"] == "plain" and r.get("prefill_seconds") is not None and r.get("seconds"):
+            for group in (r["category"], "ALL"):
+                sums[group][0] += r["prefill_seconds"]
+                sums[group][1] += r["seconds"]
+    return {group: prefill / total for group, (prefill, total) in sums.items() if total > 0}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdemo.replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="a JSON written by python -m specdemo.bench (with the plain mode)")
     parser.add_argument("--draft-tokens", type=int, default=10, help="draft length k, fixed (default 10)")
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument("--cost-curve", type=Path, default=None,
+                        help="a calibration (a bench JSON, a cached calibration or a recorded curve): replay the "
+                             "n-gram mode on that machine's costs as well, with the adaptive draft length")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if args.draft_tokens < 1:
             raise ValueError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
         rules = ngram_rules(args.ngram_min, args.ngram_max)
+        cost_curve = load_cost_curve(args.cost_curve) if args.cost_curve is not None else None
         items = load_items(args.results)
         table = tokens_per_pass(items, rules, args.draft_tokens)
+        curve_rows = decode_speedups_on_curve(items, cost_curve, prefill_shares(args.results)) if cost_curve else None
     except (ValueError, OSError, ModelLoadError, OfflinePackError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(format_replay(table, args.draft_tokens))
+    if cost_curve is not None and curve_rows is not None:
+        print()
+        print(format_curve_rows(curve_rows, cost_curve))
     return 0
 
 
