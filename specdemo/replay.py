@@ -37,6 +37,7 @@ from .draft_length import DraftLengthPolicy, FixedDraftLength, make_policy
 from .drafters import NGRAM_PREFERENCES, Drafter, NgramDrafter, Proposal, RoundResult
 from .models import ModelLoadError
 from .offline import OfflinePackError
+from .pipeline import SpecSettings
 from .sampling import Verdict
 
 logger = logging.getLogger(__name__)
@@ -205,9 +206,12 @@ class CurveRow:
 
 def decode_speedups_on_curve(
     items: Sequence[ReplayItem], cost_curve: CostCurve, prefill_shares: dict[str, float] | None = None,
-    max_draft_length: int = 12, prefer: str = "follow",
+    spec: SpecSettings | None = None,
 ) -> list[CurveRow]:
-    """Per category and over all (``"ALL"``): the n-gram mode (rule ``prefer``) replayed on ``cost_curve``."""
+    """Per category and over all (``"ALL"``): the n-gram mode with ``spec``'s n-gram settings and longest draft (the
+    app's and the bench's defaults if None) replayed on ``cost_curve``."""
+    spec = spec or SpecSettings(mode="ngram")
+    max_draft_length = spec.max_draft_length
     runs: dict[str, dict[str, list[ReplayRun]]] = defaultdict(lambda: defaultdict(list))
     for item in items:
         policies: dict[str, DraftLengthPolicy] = {
@@ -215,7 +219,8 @@ def decode_speedups_on_curve(
         }
         policies.update({str(k): FixedDraftLength(k) for k in CURVE_DRAFT_LENGTHS if k <= max_draft_length})
         for name, policy in policies.items():
-            run = replay_run(NgramDrafter(1, 4, prefer), item.prompt_ids, item.output_ids, policy, cost_curve)
+            drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_prefer)
+            run = replay_run(drafter, item.prompt_ids, item.output_ids, policy, cost_curve)
             for group in (item.category, "ALL"):
                 runs[group][name].append(run)
 
@@ -238,7 +243,8 @@ def format_curve_rows(rows: Sequence[CurveRow], cost_curve: CostCurve) -> str:
     relative = " / ".join(f"{r:.2f}" for r in cost_curve.relative[1:])
     lengths = "/".join(str(k) for k in cost_curve.lengths[1:])
     lines = [
-        f"n-gram ('follow'), replayed on the costs of: {cost_curve.hardware.describe()}",
+        f"n-gram ('{SpecSettings().ngram_prefer}' rule, adaptive draft length), replayed on the costs of: "
+        f"{cost_curve.hardware.describe()}",
         f"  {cost_curve.target} in {cost_curve.dtype}: a one-token pass {cost_curve.seconds[0] * 1000:.0f} ms; "
         f"passes over {lengths} tokens cost {relative} one-token passes",
         "decode speedup after the prompt pass (no timing noise); end to end with the prompt pass taking the share of "
@@ -265,7 +271,7 @@ def load_cost_curve(path: Path) -> CostCurve:
         raise ValueError(f"{path}: not a cost curve ({error})") from None
 
 
-def prefill_shares(path: Path) -> dict[str, float]:
+def plain_prefill_shares(path: Path) -> dict[str, float]:
     """Per category and over all: plain's prompt passes' share of its time in a bench JSON."""
     report = json.loads(Path(path).read_text())
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -295,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cost_curve = load_cost_curve(args.cost_curve) if args.cost_curve is not None else None
         items = load_items(args.results)
         table = tokens_per_pass(items, rules, args.draft_tokens)
-        curve_rows = decode_speedups_on_curve(items, cost_curve, prefill_shares(args.results)) if cost_curve else None
+        curve_rows = decode_speedups_on_curve(items, cost_curve, plain_prefill_shares(args.results)) if cost_curve else None
     except (ValueError, OSError, ModelLoadError, OfflinePackError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
