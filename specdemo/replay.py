@@ -45,12 +45,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReplayItem:
-    """One prompt of a benchmark run: its id, category, prompt ids and the plain (greedy) output."""
+    """One prompt of a benchmark run: its id, category, prompt ids and the plain (greedy) output, with plain's time
+    and the part of it its prompt pass took (None in JSONs written before the bench recorded it)."""
 
     id: str
     category: str
     prompt_ids: list[int]
     output_ids: list[int]
+    seconds: float | None = None
+    prefill_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,8 @@ def load_items(path: Path) -> list[ReplayItem]:
         ids = prompt_ids[r["id"]]
         if len(ids) != r["prompt_tokens"]:
             raise ValueError(f"{path}: prompt {r['id']} encodes to {len(ids)} tokens, the run had {r['prompt_tokens']}")
-        items.append(ReplayItem(r["id"], r["category"], list(ids), list(r["new_token_ids"])))
+        items.append(ReplayItem(r["id"], r["category"], list(ids), list(r["new_token_ids"]),
+                                r.get("seconds"), r.get("prefill_seconds")))
     return items
 
 
@@ -271,15 +275,14 @@ def load_cost_curve(path: Path) -> CostCurve:
         raise ValueError(f"{path}: not a cost curve ({error})") from None
 
 
-def plain_prefill_shares(path: Path) -> dict[str, float]:
-    """Per category and over all: plain's prompt passes' share of its time in a bench JSON."""
-    report = json.loads(Path(path).read_text())
+def plain_prefill_shares(items: Sequence[ReplayItem]) -> dict[str, float]:
+    """Per category and over all: plain's prompt passes' share of its time in the run the items come from."""
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for r in report["results"]:
-        if r["mode"] == "plain" and r.get("prefill_seconds") is not None and r.get("seconds"):
-            for group in (r["category"], "ALL"):
-                sums[group][0] += r["prefill_seconds"]
-                sums[group][1] += r["seconds"]
+    for item in items:
+        if item.prefill_seconds is not None and item.seconds:
+            for group in (item.category, "ALL"):
+                sums[group][0] += item.prefill_seconds
+                sums[group][1] += item.seconds
     return {group: prefill / total for group, (prefill, total) in sums.items() if total > 0}
 
 
@@ -301,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cost_curve = load_cost_curve(args.cost_curve) if args.cost_curve is not None else None
         items = load_items(args.results)
         table = tokens_per_pass(items, rules, args.draft_tokens)
-        curve_rows = decode_speedups_on_curve(items, cost_curve, plain_prefill_shares(args.results)) if cost_curve else None
+        curve_rows = decode_speedups_on_curve(items, cost_curve, plain_prefill_shares(items)) if cost_curve else None
     except (ValueError, OSError, ModelLoadError, OfflinePackError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -122,7 +122,7 @@ def test_the_ngram_mode_on_the_recorded_avx2_only_curve():
     curve = replay.load_cost_curve(AVX2_INT8_CURVE)
     assert curve.hardware.native_bfloat16 is False and curve.seconds[0] == pytest.approx(0.068)
     items = replay.load_items(CODE_EDITING_RUN)
-    rows = {row.group: row for row in replay.decode_speedups_on_curve(items, curve, replay.plain_prefill_shares(CODE_EDITING_RUN))}
+    rows = {row.group: row for row in replay.decode_speedups_on_curve(items, curve, replay.plain_prefill_shares(items))}
     code_editing = rows["code-editing"]
     assert code_editing.adaptive >= 0.97 * code_editing.best_fixed, code_editing
     assert code_editing.adaptive >= 2.0, code_editing
