@@ -1,6 +1,6 @@
 """``python app.py``: the speculative decoding race in the browser (Gradio). The UI lives in ``specdemo/ui.py``."""
 
-from specdemo import spaces_compat  # noqa: I001  # first: ZeroGPU needs `import spaces` before CUDA is touched
+from specdemo.app import spaces as spaces_compat  # noqa: I001  # first: ZeroGPU needs `import spaces` before CUDA is touched
 
 import argparse
 import logging
@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Sequence
 
-from specdemo.presets import PRESETS
+from specdemo.session.presets import PRESETS
 
 
 def positive_int(text: str) -> int:
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for noisy in ("httpx", "httpcore", "urllib3", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    from specdemo.ui import AppConfig, build_app, launch, preload
+    from specdemo.app.ui import AppConfig, build_app, launch, preload
 
     config = AppConfig(
         pair=args.pair,

@@ -21,14 +21,22 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .calibration import CostCurve, FormatChoice, calibrate, choose_format
-from .drafters import NGRAM_PREFERENCES
-from .engine import Counters, GenerationSettings, RoundEvent, collect
-from .lm import now
-from .metrics import compare, decode_rate, decode_speedup, run_metrics
-from .models import LoadedModel, LoadSettings, ModelLoadError, draft_dtype, load_model, resolve_device, resolve_format
-from .offline import OfflinePackError
-from .pipeline import (
+from .session.calibration import CostCurve, FormatChoice, calibrate, choose_format
+from .methods.base import NGRAM_PREFERENCES
+from .core.loop import Counters, GenerationSettings, RoundEvent, collect
+from .backends.transformers_lm import now
+from .core.metrics import compare, decode_rate, decode_speedup, run_metrics
+from .backends.loading import (
+    LoadedModel,
+    LoadSettings,
+    ModelLoadError,
+    draft_dtype,
+    load_model,
+    resolve_device,
+    resolve_format,
+)
+from .backends.offline import OfflinePackError
+from .session.pipeline import (
     MEDUSA_MODES,
     SPEC_MODES,
     InputError,
@@ -39,9 +47,9 @@ from .pipeline import (
     plain_events,
     spec_events,
 )
-from .presets import default_preset_key, get_preset, PRESETS
-from .prompts import Prompt, PromptFileError, load_prompts
-from .sampling import SamplingSettings
+from .session.presets import default_preset_key, get_preset, PRESETS
+from .session.prompts import Prompt, PromptFileError, load_prompts
+from .core.acceptance import SamplingSettings
 
 logger = logging.getLogger(__name__)
 

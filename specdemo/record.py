@@ -1,6 +1,6 @@
 """``python -m specdemo.record``: race headless and write the race as MP4, GIF, HTML replay and/or JSON log.
 
-The race is the app's own (:class:`specdemo.ui.Racer`: same validation, loading, warm-up, fair interleaving and
+The race is the app's own (:class:`specdemo.app.ui.Racer`: same validation, loading, warm-up, fair interleaving and
 divergence check), taking the bench's and the app's settings under the same names. ``--from FILE`` re-renders a
 saved log (``--json``, the app's download, or a saved ``/race`` response) instead of racing. Every file is written
 under a temporary name and renamed when complete, so a failure leaves no half-written file behind.
@@ -19,8 +19,8 @@ from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from .racelog import RaceLog, RaceLogError, dump, load
-from .video import GIF_SETTINGS, FrameCallback, VideoSettings, write_gif, write_mp4
+from .session.racelog import RaceLog, RaceLogError, dump, load
+from .render.video import GIF_SETTINGS, FrameCallback, VideoSettings, write_gif, write_mp4
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def write_recording(
     log: RaceLog, kind: str, path: str | Path, speed: float = 1.0, on_frame: FrameCallback | None = None
 ) -> Path:
     """Write one rendering of ``log`` (``kind`` from :data:`FORMATS`) atomically; returns the path."""
-    from .html_replay import render_html
+    from .render.html_replay import render_html
 
     path = Path(path)
     with atomic_path(path) as partial:
@@ -139,8 +139,8 @@ def _request(args: argparse.Namespace) -> RecordRequest:
 
 def race_log(args: argparse.Namespace, show_progress: bool) -> RaceLog:
     """Race as the app does (validation, loading, warm-up, fair interleaving, divergence check); the log."""
-    from .pipeline import InputError
-    from .ui import AppConfig, RaceRequest, Racer  # here, not at the top: --from needs no Gradio
+    from .session.pipeline import InputError
+    from .app.ui import AppConfig, RaceRequest, Racer  # here, not at the top: --from needs no Gradio
 
     if args.prompt_file is not None:
         try:
@@ -210,9 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    from .models import ModelLoadError
-    from .offline import OfflinePackError
-    from .pipeline import InputError
+    from .backends.loading import ModelLoadError
+    from .backends.offline import OfflinePackError
+    from .session.pipeline import InputError
 
     try:
         request = _request(args)

@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .calibration import CostCurve
-from .draft_length import DraftLengthPolicy, FixedDraftLength, make_policy
-from .drafters import NGRAM_PREFERENCES, Drafter, NgramDrafter, Proposal, RoundResult
-from .models import ModelLoadError
-from .offline import OfflinePackError
-from .pipeline import SpecSettings
-from .sampling import Verdict
+from .session.calibration import CostCurve
+from .methods.draft_length import DraftLengthPolicy, FixedDraftLength, make_policy
+from .methods.base import NGRAM_PREFERENCES, Drafter, NgramDrafter, Proposal, RoundResult
+from .backends.loading import ModelLoadError
+from .backends.offline import OfflinePackError
+from .session.pipeline import SpecSettings
+from .core.acceptance import Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -162,9 +162,9 @@ def load_items(path: Path) -> list[ReplayItem]:
 
 def _encode_again(config: dict, ids: list[str]) -> dict[str, list[int]]:
     """Prompt ids for JSONs written before the bench recorded them: load the run's target and prompts again."""
-    from .models import LoadSettings, load_model
-    from .pipeline import encode_prompt
-    from .prompts import load_prompts
+    from .backends.loading import LoadSettings, load_model
+    from .session.pipeline import encode_prompt
+    from .session.prompts import load_prompts
 
     logger.info("this JSON has no prompt ids: encoding the prompts again with %s", config["target"])
     prompts = {p.id: p for p in load_prompts(None if config["prompts"] == "bundled" else config["prompts"])}

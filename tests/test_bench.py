@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specdemo import bench
-from specdemo.models import clear_model_cache
+from specdemo.backends.loading import clear_model_cache
 
 from tiny import save_tiny_heads, save_tiny_pair
 

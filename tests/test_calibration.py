@@ -9,9 +9,9 @@ import statistics
 import pytest
 import torch
 
-from specdemo import calibration
-from specdemo.calibration import CostCurve, Hardware, calibrate, detect_hardware
-from specdemo.models import LoadedModel, LoadSettings
+from specdemo.session import calibration
+from specdemo.session.calibration import CostCurve, Hardware, calibrate, detect_hardware
+from specdemo.backends.loading import LoadedModel, LoadSettings
 from tiny import llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -163,7 +163,7 @@ class PlainOnly:
 
 
 def best_fixed(cost_curve: CostCurve, alpha: float, seed: int = 0) -> float:
-    from specdemo.draft_length import FixedDraftLength
+    from specdemo.methods.draft_length import FixedDraftLength
 
     return max(simulate(FixedDraftLength(k), cost_curve, alpha, seed=seed) for k in range(1, 13))
 
@@ -190,7 +190,7 @@ def test_where_verification_is_cheap_the_adaptive_policy_keeps_up_with_the_best_
     measured lengths lifted the int8 format's curves at 90 % acceptance from 0.89-0.91 to 0.99 of the best fixed
     length, and left the legacy int8 curve at 50 % acceptance with no calibration at 0.94. The app and the bench
     always start from the calibrated curve.)"""
-    from specdemo.draft_length import make_policy
+    from specdemo.methods.draft_length import make_policy
 
     for prior, tolerance in ((cost_curve, 0.92), (None, 0.93)):
         ratios = []
@@ -206,7 +206,7 @@ def test_where_verification_is_cheap_the_adaptive_policy_keeps_up_with_the_best_
 def test_where_verification_is_dear_plain_decoding_costs_at_most_two_percent_more(cost_curve: CostCurve) -> None:
     """Drafts are right half the time and no draft length pays: the policy should decode plainly, its probes (with
     the drafter's catch-up) costing at most 2 % of the run."""
-    from specdemo.draft_length import make_policy
+    from specdemo.methods.draft_length import make_policy
 
     for seed in range(3):
         plain = simulate(PlainOnly(), cost_curve, 0.5, seed=seed)
@@ -215,7 +215,7 @@ def test_where_verification_is_dear_plain_decoding_costs_at_most_two_percent_mor
 
 
 def test_the_policy_knows_where_drafting_can_pay_and_shrugs_off_slow_outliers() -> None:
-    from specdemo.draft_length import CostAwareDraftLength
+    from specdemo.methods.draft_length import CostAwareDraftLength
 
     assert not CostAwareDraftLength(prior=AVX2_BF16, draft_seconds_per_token=0.03).drafting_could_pay()
     for cheap in (NATIVE_BF16, AVX2_INT8):
@@ -237,7 +237,7 @@ def test_calibrated_costs_count_at_the_speed_the_machine_runs_now() -> None:
     this run every pass takes 30 % longer. The 2-token cost, never measured in this run, counts at this run's speed,
     so a 2-token pass does not look cheaper than a plain step (it did: 92 ms calibrated against plain steps measured
     at 110 ms, and uag drafted where it lost); one slow pass does not move the machine's speed."""
-    from specdemo.draft_length import CostAwareDraftLength
+    from specdemo.methods.draft_length import CostAwareDraftLength
 
     calibrated = curve(AVX2, 0.085, [1.0, 1.08, 1.2, 1.88, 3.45], draft=0.030)
     slower = 1.3
@@ -254,8 +254,8 @@ def test_calibrated_costs_count_at_the_speed_the_machine_runs_now() -> None:
 
 def test_the_drafter_books_its_catch_up_apart() -> None:
     """After plain steps the draft model catches up in a pass of its own, timed apart from drafting."""
-    from specdemo.drafters import DraftModelDrafter
-    from specdemo.sampling import SamplingSettings
+    from specdemo.methods.base import DraftModelDrafter
+    from specdemo.core.acceptance import SamplingSettings
 
     drafter = DraftModelDrafter(llama(3), SamplingSettings(), target_vocab_size=96, int8=False)
     prompt = list(range(10, 30))
@@ -331,7 +331,7 @@ def test_auto_picks_the_fastest_format_where_speculation_can_pay(curves, expecte
 
 
 def test_choose_format_measures_each_candidate_once_per_machine(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from specdemo.formats import to_int8_format
+    from specdemo.backends.formats import to_int8_format
 
     loads, forgotten = [], []
 

@@ -1,4 +1,4 @@
-"""Tests for specdemo.detok: incremental pieces must add up to a full decode."""
+"""Tests for specdemo.core.detok: incremental pieces must add up to a full decode."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from specdemo.detok import IncrementalDetokenizer  # noqa: E402
+from specdemo.core.detok import IncrementalDetokenizer  # noqa: E402
 
 SPECIALS = ["<s>", "</s>", "<unk>", "<|im_end|>"]
 

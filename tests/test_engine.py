@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from specdemo.draft_length import CostAwareDraftLength, FixedDraftLength, HeuristicDraftLength, make_policy
-from specdemo.drafters import DraftModelDrafter, NgramDrafter
-from specdemo.engine import ACCEPTED, BONUS, CORRECTED, PLAIN, GenerationSettings, collect, plain_decode, speculative_decode
-from specdemo.lm import CachedLM
-from specdemo.sampling import SamplingSettings
+from specdemo.methods.draft_length import CostAwareDraftLength, FixedDraftLength, HeuristicDraftLength, make_policy
+from specdemo.methods.base import DraftModelDrafter, NgramDrafter
+from specdemo.core.loop import (
+    ACCEPTED,
+    BONUS,
+    CORRECTED,
+    PLAIN,
+    GenerationSettings,
+    collect,
+    plain_decode,
+    speculative_decode,
+)
+from specdemo.backends.transformers_lm import CachedLM
+from specdemo.core.acceptance import SamplingSettings
 
 from tiny import VOCAB, gpt2, llama, qwen2, reference_greedy
 

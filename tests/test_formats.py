@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdemo.draft_length import FixedDraftLength, TreeBudget, make_policy
-from specdemo.drafters import DraftModelDrafter, NgramDrafter
-from specdemo.engine import GenerationSettings, collect, speculative_decode
-from specdemo.formats import (
+from specdemo.methods.draft_length import FixedDraftLength, TreeBudget, make_policy
+from specdemo.methods.base import DraftModelDrafter, NgramDrafter
+from specdemo.core.loop import GenerationSettings, collect, speculative_decode
+from specdemo.backends.formats import (
     INT8,
     W8A8,
     Int8WeightLinear,
@@ -22,9 +22,9 @@ from specdemo.formats import (
     row_wise_attention,
     to_int8_format,
 )
-from specdemo.lm import CachedLM, tree_attention_mask
-from specdemo.medusa import MedusaDrafter
-from specdemo.models import (
+from specdemo.backends.transformers_lm import CachedLM, tree_attention_mask
+from specdemo.methods.medusa import MedusaDrafter
+from specdemo.backends.loading import (
     LoadedModel,
     LoadSettings,
     ModelLoadError,
@@ -211,8 +211,8 @@ def test_format_names():
 
 
 def test_every_verify_pass_fits_the_row_wise_attention():
-    from specdemo.formats import ROW_WISE_MAX_QUERIES
-    from specdemo.pipeline import InputError, SpecSettings
+    from specdemo.backends.formats import ROW_WISE_MAX_QUERIES
+    from specdemo.session.pipeline import InputError, SpecSettings
 
     SpecSettings(max_draft_length=64).validate()
     assert 64 + 1 <= ROW_WISE_MAX_QUERIES  # the longest draft plus the last token
@@ -221,7 +221,7 @@ def test_every_verify_pass_fits_the_row_wise_attention():
 
 
 def test_a_universal_drafter_beside_an_int8_target_drafts_in_int8():
-    from specdemo.pipeline import SpecSettings, uag_draft_int8
+    from specdemo.session.pipeline import SpecSettings, uag_draft_int8
 
     cpu = torch.device("cpu")
     int8, bf16 = loaded_targets()

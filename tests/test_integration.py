@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from specdemo.engine import GenerationSettings, collect
-from specdemo.offline import offline_installed
-from specdemo.pipeline import SpecSettings, encode_prompt, plain_events, spec_events
+from specdemo.core.loop import GenerationSettings, collect
+from specdemo.backends.offline import offline_installed
+from specdemo.session.pipeline import SpecSettings, encode_prompt, plain_events, spec_events
 
 from tiny import reference_greedy
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def pair():
-    from specdemo.models import LoadSettings, load_model
+    from specdemo.backends.loading import LoadSettings, load_model
 
     settings = LoadSettings(dtype="float32", device="cpu")
     return load_model("offline:qwen2.5-coder-1.5b", settings, progress=False), load_model(
@@ -49,7 +49,7 @@ def test_offline_pair_float32_identical(pair):
 def test_offline_pair_int8_identical_in_every_mode():
     """The int8 format on the real target: speculative output identical to plain int8 decoding in every mode, and
     plain decoding identical to stock ``generate`` on the same int8 model."""
-    from specdemo.models import LoadSettings, load_model
+    from specdemo.backends.loading import LoadSettings, load_model
 
     target = load_model("offline:qwen2.5-coder-1.5b", LoadSettings(dtype="int8", device="cpu"), progress=False)
     draft = load_model("offline:qwen2.5-coder-0.5b", LoadSettings(dtype="bfloat16", device="cpu"), progress=False)

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from specdemo.draft_length import FixedDraftLength, TreeBudget
-from specdemo.engine import ACCEPTED, REJECTED, GenerationSettings, collect, plain_decode, speculative_decode
-from specdemo.lm import CachedLM, tree_attention_mask, tree_depths
-from specdemo.medusa import (
+from specdemo.methods.draft_length import FixedDraftLength, TreeBudget
+from specdemo.core.loop import ACCEPTED, REJECTED, GenerationSettings, collect, plain_decode, speculative_decode
+from specdemo.backends.transformers_lm import CachedLM, tree_attention_mask, tree_depths
+from specdemo.methods.medusa import (
     MedusaConfig,
     MedusaDrafter,
     MedusaHeads,
@@ -19,7 +19,7 @@ from specdemo.medusa import (
     file_sha256,
     load_heads,
 )
-from specdemo.sampling import SamplingSettings, accept_greedy_tree
+from specdemo.core.acceptance import SamplingSettings, accept_greedy_tree
 
 from tiny import VOCAB, gpt2, llama, qwen2
 
@@ -218,7 +218,7 @@ class OracleTree:
         pass
 
     def propose(self, context, max_tokens):
-        from specdemo.drafters import Proposal
+        from specdemo.methods.base import Proposal
 
         at = len(context)
         right = self.full[at : at + 2]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from specdemo.medusa import load_heads
-from specdemo.medusa_prompts import training_prompts
-from specdemo.medusa_train import TrainSettings, labels_for, stdlib_files, train
+from specdemo.methods.medusa import load_heads
+from specdemo.training.corpus import training_prompts
+from specdemo.training.medusa import TrainSettings, labels_for, stdlib_files, train
 
 from tiny import reference_greedy, save_tiny_pair
 
@@ -76,7 +76,7 @@ def test_the_target_answers_prompts_itself_and_its_answers_join_the_corpus(tmp_p
     rows = [json.loads(line) for line in (settings.answers_path() / "answers.jsonl").read_text().splitlines()]
     assert sorted(r["index"] for r in rows) == list(range(12))
     # each answer is the target's own greedy continuation of its prompt, batched with left padding or not
-    from specdemo.models import LoadSettings, load_model
+    from specdemo.backends.loading import LoadSettings, load_model
 
     loaded = load_model(target, LoadSettings(dtype="float32"))
     for row in rows[:3]:

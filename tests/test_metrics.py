@@ -2,9 +2,9 @@
 
 import pytest
 
-from specdemo.draft_length import expected_tokens
-from specdemo.engine import Counters
-from specdemo.metrics import compare, decode_rate, expected_speedup, expected_tokens_per_pass, run_metrics
+from specdemo.methods.draft_length import expected_tokens
+from specdemo.core.loop import Counters
+from specdemo.core.metrics import compare, decode_rate, expected_speedup, expected_tokens_per_pass, run_metrics
 
 
 def test_leviathan_formula():

@@ -11,9 +11,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specdemo import models as sm
-from specdemo import offline, presets
-from specdemo.models import LoadSettings, ModelLoadError, load_model, resolve_device, resolve_dtype
+from specdemo.backends import loading as sm
+from specdemo.backends import offline
+from specdemo.session import presets
+from specdemo.backends.loading import LoadSettings, ModelLoadError, load_model, resolve_device, resolve_dtype
 
 CPU32 = LoadSettings(dtype="float32", device="cpu")
 

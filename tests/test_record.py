@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 
 import tiny_app
-from specdemo import html_replay, racelog, record, ui, video
-from specdemo.racelog import RaceLog, RaceLogError
-from specdemo.views import RaceState
+from specdemo.render import html_replay, video
+from specdemo.session import racelog
+from specdemo import record
+from specdemo.app import ui
+from specdemo.session.racelog import RaceLog, RaceLogError
+from specdemo.render.views import RaceState
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "own_cache")
 
@@ -266,7 +269,7 @@ def test_gif_keeps_every_kind_colour(log: RaceLog, tmp_path: Path) -> None:
     import numpy as np
     from PIL import Image
 
-    from specdemo.views import KIND_COLOURS
+    from specdemo.render.views import KIND_COLOURS
 
     path = tmp_path / "race.gif"
     record.write_recording(log, "gif", path, speed=2.0)

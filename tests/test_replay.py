@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from specdemo import bench, replay
-from specdemo.drafters import NgramDrafter
-from specdemo.draft_length import FixedDraftLength
-from specdemo.engine import GenerationSettings, collect, speculative_decode
-from specdemo.lm import CachedLM
-from specdemo.models import clear_model_cache
+from specdemo.methods.base import NgramDrafter
+from specdemo.methods.draft_length import FixedDraftLength
+from specdemo.core.loop import GenerationSettings, collect, speculative_decode
+from specdemo.backends.transformers_lm import CachedLM
+from specdemo.backends.loading import clear_model_cache
 
 from tiny import save_tiny_pair, qwen2, reference_greedy
 
@@ -98,7 +98,7 @@ CODE_EDITING_RUN = ASSETS / "bench" / "w8a8-code-editing-avx2-kernels-r3.json"
 
 
 def test_replay_on_a_cost_curve_counts_each_pass_at_its_cost():
-    from specdemo.calibration import CostCurve, Hardware
+    from specdemo.session.calibration import CostCurve, Hardware
 
     curve = CostCurve(Hardware("cpu", "test"), "t", "int8", 16, [1, 2, 4], [0.1, 0.12, 0.2])
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]

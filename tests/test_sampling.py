@@ -13,12 +13,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdemo.draft_length import FixedDraftLength
-from specdemo.drafters import DraftModelDrafter, NgramDrafter
-from specdemo.engine import GenerationSettings, collect, plain_decode, speculative_decode
-from specdemo.lm import CachedLM
-from specdemo.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
-from specdemo.sampling import SamplingSettings, accept_sampling, target_distribution, warp_logits
+from specdemo.methods.draft_length import FixedDraftLength
+from specdemo.methods.base import DraftModelDrafter, NgramDrafter
+from specdemo.core.loop import GenerationSettings, collect, plain_decode, speculative_decode
+from specdemo.backends.transformers_lm import CachedLM
+from specdemo.methods.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+from specdemo.core.acceptance import SamplingSettings, accept_sampling, target_distribution, warp_logits
 
 from tiny import llama
 

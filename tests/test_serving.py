@@ -13,9 +13,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiny_app
-from specdemo import drafters, models, ui
-from specdemo.models import LoadSettings, cache_key
-from specdemo.pipeline import InputError, MAX_CHARS_PER_TOKEN, default_max_prompt_tokens, release_models
+from specdemo.methods import base as drafters
+from specdemo.backends import loading as models
+from specdemo.app import ui
+from specdemo.backends.loading import LoadSettings, cache_key
+from specdemo.session.pipeline import InputError, MAX_CHARS_PER_TOKEN, default_max_prompt_tokens, release_models
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,7 +39,7 @@ def race_records(caplog: pytest.LogCaptureFixture) -> list[dict]:
     return [
         json.loads(r.getMessage().removeprefix("race "))
         for r in caplog.records
-        if r.name == "specdemo.ui.races"
+        if r.name == "specdemo.app.ui.races"
     ]
 
 
@@ -52,7 +54,7 @@ def test_huge_prompt_is_refused_at_once_and_nothing_loads(caplog: pytest.LogCapt
     spy = SpyLoader()
     racer = ui.Racer(tiny_app.config(loader=spy))
     prompt = " ".join(["word"] * 20_000)
-    caplog.set_level(logging.INFO, logger="specdemo.ui.races")
+    caplog.set_level(logging.INFO, logger="specdemo.app.ui.races")
     started = time.perf_counter()
     with pytest.raises(InputError, match=r"too long: 99,999 characters.*2,048 prompt tokens"):
         racer.prepare(ui.RaceRequest(prompt, pair="tiny"))
@@ -77,7 +79,7 @@ def test_prompt_over_the_token_cap_is_refused_before_the_draft_loads_or_any_pass
 def test_time_budget_ends_the_race_with_its_figures_so_far(caplog: pytest.LogCaptureFixture) -> None:
     racer = ui.Racer(tiny_app.config(race_time_budget=0.4))
     prepared = racer.prepare(ui.RaceRequest(PROMPT, pair="tiny-slow", draft_tokens="2", max_new_tokens=480))
-    caplog.set_level(logging.INFO, logger="specdemo.ui.races")
+    caplog.set_level(logging.INFO, logger="specdemo.app.ui.races")
     started = time.perf_counter()
     *_, state = racer.run(prepared)
     assert time.perf_counter() - started < 3.0  # the whole race would need about 10 s
@@ -95,7 +97,7 @@ def test_time_budget_ends_the_race_with_its_figures_so_far(caplog: pytest.LogCap
 
 def test_every_race_logs_one_line_without_the_prompt(caplog: pytest.LogCaptureFixture) -> None:
     racer = ui.Racer(tiny_app.config())
-    caplog.set_level(logging.INFO, logger="specdemo.ui.races")
+    caplog.set_level(logging.INFO, logger="specdemo.app.ui.races")
     prepared = racer.prepare(ui.RaceRequest(PROMPT, pair="tiny", max_new_tokens=8))
     *_, state = racer.run(prepared)
     states = racer.run(prepared)  # a second race, stopped after its first round

@@ -7,11 +7,11 @@ import functools
 import pytest
 import torch
 
-from specdemo.draft_length import FixedDraftLength, make_policy
-from specdemo.engine import GenerationSettings, collect, speculative_decode
-from specdemo.lm import CachedLM
-from specdemo.sampling import SamplingSettings
-from specdemo.uag import (
+from specdemo.methods.draft_length import FixedDraftLength, make_policy
+from specdemo.core.loop import GenerationSettings, collect, speculative_decode
+from specdemo.backends.transformers_lm import CachedLM
+from specdemo.core.acceptance import SamplingSettings
+from specdemo.methods.uag import (
     UniversalDrafter,
     reencode_after,
     shared_vocabulary,
@@ -95,7 +95,7 @@ def _first_two_tokens_check(intersection: bool) -> None:
     target, draft = _models(byte_level, sentencepiece)
     prompt = byte_level("def add(a, b):")["input_ids"]
     sampling = SamplingSettings(temperature=1.0, top_k=3)
-    from specdemo.sampling import target_distribution
+    from specdemo.core.acceptance import target_distribution
 
     with torch.inference_mode():
         first = target_distribution(target(input_ids=torch.tensor([prompt])).logits[0, -1], sampling)

@@ -12,9 +12,10 @@ import pandas as pd
 import pytest
 
 import tiny_app
-from specdemo import ui
-from specdemo.engine import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, TokenEvent
-from specdemo.spaces_compat import gpu
+from specdemo.app import ui
+from specdemo.core.loop import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, TokenEvent
+from specdemo.app.spaces import gpu
+from specdemo.render.views import render_token, token_title
 
 SPAN = re.compile(r'<span class="tok tok-(\w+)" title="([^"]*)">(.*?)</span>', re.S)
 PROMPT = "hello world the cat sat on the mat"
@@ -59,15 +60,15 @@ def handlers() -> ui.Handlers:
 
 def test_render_token_escapes_text_and_title() -> None:
     token = TokenEvent(5, '<b>&"x"\n  y', ACCEPTED, 3, 0.5, 0.25)
-    rendered = ui.render_token(token)
+    rendered = render_token(token)
     assert "<b>" not in rendered and "&lt;b&gt;&amp;&quot;x&quot;\n  y" in rendered
     assert 'class="tok tok-accepted"' in rendered
     [(kind, title, text)] = spans(rendered)
     assert (kind, text) == ("accepted", '<b>&"x"\n  y')
     assert "round 3" in title and "draft p = 0.500" in title and "target p = 0.250" in title
-    odd = ui.render_token(TokenEvent(1, "<script>", "weird", 0))
+    odd = render_token(TokenEvent(1, "<script>", "weird", 0))
     assert "tok-plain" in odd and "<script>" not in odd
-    assert "draft p" not in ui.token_title(TokenEvent(1, "a", PLAIN, 0, None, 0.9))
+    assert "draft p" not in token_title(TokenEvent(1, "a", PLAIN, 0, None, 0.9))
 
 
 def test_legend_names_every_kind() -> None:
@@ -344,8 +345,8 @@ def test_app_arguments() -> None:
 
 
 def test_uag_presets_select_the_uag_mode():
-    from specdemo.presets import PRESETS
-    from specdemo.ui import AppConfig, mode_for_pair
+    from specdemo.session.presets import PRESETS
+    from specdemo.app.ui import AppConfig, mode_for_pair
 
     config = AppConfig()
     assert mode_for_pair(config, "offline-smollm-qwen-coder", "draft") == "uag"

@@ -106,7 +106,7 @@ def save_tiny_heads(folder, hidden: int = 64, vocab: int = 320, num_heads: int =
     """Random Medusa heads (shared LM head) for a tiny target, saved as a heads folder; return its path."""
     from pathlib import Path
 
-    from specdemo.medusa import MedusaConfig, MedusaHeads
+    from specdemo.methods.medusa import MedusaConfig, MedusaHeads
 
     heads = MedusaHeads(MedusaConfig(num_heads, 1, hidden, vocab))
     generator = torch.Generator().manual_seed(seed)

@@ -12,9 +12,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specdemo.models import LoadedModel, LoadSettings, ModelLoadError
-from specdemo.presets import PairPreset
-from specdemo.prompts import Prompt
+from specdemo.backends.loading import LoadedModel, LoadSettings, ModelLoadError
+from specdemo.session.presets import PairPreset
+from specdemo.session.prompts import Prompt
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_end|>"]
 WORDS = (
@@ -137,7 +137,7 @@ EXAMPLES = [
 
 
 def config(**overrides):
-    from specdemo.ui import AppConfig
+    from specdemo.app.ui import AppConfig
 
     values = dict(
         pair="tiny",
@@ -169,7 +169,7 @@ def free_port() -> int:
 def served_with_spied_races(spied: list, **overrides):
     """The app on tiny models served on a free port (yields its URL), with the decoders of every race appended to
     ``spied``, to see when a race is closed."""
-    from specdemo import ui
+    from specdemo.app import ui
 
     real_race = ui.race
 

@@ -1,7 +1,7 @@
 """A race log as one self-contained HTML page that replays the race at true speed.
 
 Everything is inline (CSS, script, data; no network): the page opens from ``file://``. The panes, cards, legend and
-hover titles are the app's own views (:mod:`specdemo.views`), rendered here once per round; the script only
+hover titles are the app's own views (:mod:`specdemo.render.views`), rendered here once per round; the script only
 appends them when the playback clock passes each round's end on its side's own compute clock. Controls: play /
 pause, restart, speed (0.5x to 4x) and a scrubber. ``window.specdemoReplay`` exposes ``play``, ``pause``, ``seek``
 and ``setSpeed``; ``document.body.dataset.state`` says ``playing``, ``paused`` or ``ended``.
@@ -14,7 +14,7 @@ import json
 import logging
 from typing import Any
 
-from .racelog import SIDES, RaceLog
+from ..session.racelog import SIDES, RaceLog
 from .views import (
     CSS,
     RaceState,

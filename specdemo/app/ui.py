@@ -4,9 +4,9 @@ Structure (everything but :func:`build_app` is testable without a browser):
 
 - :class:`AppConfig`: what the app serves (presets, device, model loader, update rate, ...);
 - :class:`Racer`: checks a :class:`RaceRequest` (the cheap checks also run as the queue's validator), loads the
-  pair (with progress, freeing the previous pair), and runs one race through :func:`specdemo.race.race`, yielding
+  pair (with progress, freeing the previous pair), and runs one race through :func:`specdemo.session.race.race`, yielding
   a :class:`RaceState` after every round, within the time budget, and logging one line per race;
-- views: token spans, pane figures, cards and CSS come from :mod:`specdemo.views` (no Gradio there); here: chart
+- views: token spans, pane figures, cards and CSS come from :mod:`specdemo.render.views` (no Gradio there); here: chart
   frames (:func:`race_frame`, :func:`accepted_length_frame`, :func:`acceptance_position_frame`) and
   :func:`result_dict` (the ``/race`` API's JSON, with the race log under ``"log"``);
 - :func:`make_handlers`: the Gradio handlers (generators for the Run button and the ``/race`` API, validators);
@@ -28,11 +28,11 @@ import gradio as gr
 import pandas as pd
 import torch
 
-from .bench import divergence, divergence_margin
-from .engine import Counters, GenerationSettings, TokenEvent, collect
-from .calibration import PASS_LENGTHS, CostCurve, cached_format_choice, calibrate, choose_format
-from .memory import resident_gb, return_free_memory
-from .models import (
+from ..bench import divergence, divergence_margin
+from ..core.loop import Counters, GenerationSettings, TokenEvent, collect
+from ..session.calibration import PASS_LENGTHS, CostCurve, cached_format_choice, calibrate, choose_format
+from ..backends.memory import resident_gb, return_free_memory
+from ..backends.loading import (
     CacheKey,
     LoadedModel,
     LoadSettings,
@@ -43,8 +43,8 @@ from .models import (
     resolve_device,
     resolve_format,
 )
-from .offline import OfflinePackError
-from .pipeline import (
+from ..backends.offline import OfflinePackError
+from ..session.pipeline import (
     MEDUSA_MODES,
     MODES_NEEDING_DRAFT,
     SPEC_MODES,
@@ -62,14 +62,14 @@ from .pipeline import (
     spec_events,
     uag_draft_int8,
 )
-from .presets import PRESETS, PairPreset, default_preset_key
-from .prompts import Prompt, PromptFileError, load_prompts
-from .race import race
-from .racelog import RaceLog, RaceLogError
-from .record import write_recording
-from .sampling import SamplingSettings
-from .spaces_compat import gpu
-from .views import (  # noqa: F401  # render_token and token_title: re-exported, the app's views used to live here
+from ..session.presets import PRESETS, PairPreset, default_preset_key
+from ..session.prompts import Prompt, PromptFileError, load_prompts
+from ..session.race import race
+from ..session.racelog import RaceLog, RaceLogError
+from ..record import write_recording
+from ..core.acceptance import SamplingSettings
+from .spaces import gpu
+from ..render.views import (
     CSS,
     PaneState,
     RaceState,
@@ -78,14 +78,12 @@ from .views import (  # noqa: F401  # render_token and token_title: re-exported,
     legend_html,
     pane_stats_html,
     pane_titles,
-    render_token,
     speedup_html,
-    token_title,
 )
 
 logger = logging.getLogger(__name__)
 #: the server log: one structured line per race (pair, mode, sizes, seconds, speedup, how it ended; never the
-#: prompt's text); not the race log of :mod:`specdemo.racelog`, which records a race round by round
+#: prompt's text); not the race log of :mod:`specdemo.session.racelog`, which records a race round by round
 race_logger = logging.getLogger(__name__ + ".races")
 
 #: why a race stopped before both sides finished

@@ -17,9 +17,9 @@ from typing import Protocol, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .lm import CachedLM, TargetPass, now
-from .memory import return_free_memory
-from .sampling import SamplingSettings, Verdict, target_distribution
+from ..backends.transformers_lm import CachedLM, TargetPass, now
+from ..backends.memory import return_free_memory
+from ..core.acceptance import SamplingSettings, Verdict, target_distribution
 
 logger = logging.getLogger(__name__)
 

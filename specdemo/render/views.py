@@ -1,7 +1,7 @@
 """What the app, the HTML replay and the video draw, without Gradio: race state, token spans, figures, CSS.
 
 - :class:`PaneState` and :class:`RaceState`: the race as shown, built round by round from
-  :class:`~specdemo.engine.RoundEvent` objects (live in the app, or rebuilt from a :class:`~specdemo.racelog.RaceLog`);
+  :class:`~specdemo.core.loop.RoundEvent` objects (live in the app, or rebuilt from a :class:`~specdemo.session.racelog.RaceLog`);
 - HTML views: :func:`render_token` (a token span coloured by kind, probabilities in its hover title),
   :func:`legend_html`, :func:`pane_stats_html`, :func:`speedup_html`, :func:`figures_html`, :func:`identical_html`
   and :data:`CSS`, the stylesheet they need (its token colours are :data:`KIND_COLOURS`, which the video uses too);
@@ -14,13 +14,13 @@ import html
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .engine import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, RoundEvent, TokenEvent
-from .metrics import Comparison, RunMetrics, compare, run_metrics
-from .pipeline import SPEC_MODES
-from .racelog import LoggedRound, RaceLog, RaceSettings
+from ..core.loop import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, RoundEvent, TokenEvent
+from ..core.metrics import Comparison, RunMetrics, compare, run_metrics
+from ..session.pipeline import SPEC_MODES
+from ..session.racelog import LoggedRound, RaceLog, RaceSettings
 
 if TYPE_CHECKING:
-    from .ui import Prepared
+    from ..app.ui import Prepared
 
 KIND_LABELS = {
     ACCEPTED: "accepted draft token",

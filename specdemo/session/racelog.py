@@ -1,6 +1,6 @@
 """A race as data: its settings, each side's rounds on its own compute clock, and the outcome.
 
-The log is what every recording (:mod:`specdemo.html_replay`, :mod:`specdemo.video`) is drawn from, and what the
+The log is what every recording (:mod:`specdemo.render.html_replay`, :mod:`specdemo.render.video`) is drawn from, and what the
 ``/race`` API returns under ``"log"``. It is stored as compact JSON: each round carries only what changed (the
 tokens it kept, the drafts it rejected, its draft and verify seconds); the running counters, the metrics and the
 figures are rebuilt from the rounds exactly as the engine added them up (:meth:`RaceLog.events`). Layout::
@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from .engine import Counters, RoundEvent, TokenEvent
-from .metrics import compare, run_metrics
+from ..core.loop import Counters, RoundEvent, TokenEvent
+from ..core.metrics import compare, run_metrics
 
 if TYPE_CHECKING:
-    from .ui import Prepared
+    from ..app.ui import Prepared
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .drafters import Proposal, RoundResult, catch_up, head_rows, int8_copy
-from .lm import CachedLM, TargetPass, now
-from .sampling import SamplingSettings, target_distribution
+from .base import Proposal, RoundResult, catch_up, head_rows, int8_copy
+from ..backends.transformers_lm import CachedLM, TargetPass, now
+from ..core.acceptance import SamplingSettings, target_distribution
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ def bundled_prompts_path() -> Path:
             return path
     except (ModuleNotFoundError, TypeError, ValueError) as exc:  # pragma: no cover - unusual installs
         logger.debug("importlib.resources lookup failed: %s", exc)
-    return Path(__file__).resolve().parent / "data" / "prompts.jsonl"
+    return Path(__file__).resolve().parents[1] / "data" / "prompts.jsonl"
 
 
 def categories_of(prompts: Iterable[Prompt]) -> list[str]:

@@ -28,10 +28,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .draft_length import expected_tokens
-from .formats import output_rows
-from .lm import CachedLM, now
-from .models import (
+from ..methods.draft_length import expected_tokens
+from ..backends.formats import output_rows
+from ..backends.transformers_lm import CachedLM, now
+from ..backends.loading import (
     LoadedModel,
     LoadSettings,
     ModelLoadError,
@@ -41,7 +41,7 @@ from .models import (
     resolve_device,
     resolve_format,
 )
-from .offline import cache_home
+from ..backends.offline import cache_home
 
 logger = logging.getLogger(__name__)
 
@@ -268,9 +268,9 @@ def _draft_step_seconds(
     """Median seconds per drafted token. A draft sharing the target's tokenizer is timed through the draft-model
     drafter itself (its int8 copy and restricted head, as a race runs it), drafting ``draft_length`` tokens after
     a prefix it has caught up on; any other draft (uag) is timed as one step of the model."""
-    from .drafters import DraftModelDrafter, int8_copy
-    from .models import same_tokenizer
-    from .sampling import SamplingSettings
+    from ..methods.base import DraftModelDrafter, int8_copy
+    from ..backends.loading import same_tokenizer
+    from ..core.acceptance import SamplingSettings
 
     vocab_size = output_rows(target.model)
     shared = target.tokenizer is not None and draft.tokenizer is not None

@@ -13,15 +13,15 @@ from typing import Collection, Iterator
 import torch
 
 from .calibration import CostCurve
-from .draft_length import DraftLengthPolicy, TreeBudget, make_policy
-from .drafters import NGRAM_PREFERENCES, DraftModelDrafter, Drafter, NgramDrafter
-from .engine import GenerationSettings, RoundEvent, plain_decode, seeded_generator, speculative_decode
-from .formats import ROW_WISE_MAX_QUERIES, is_int8_format, output_rows, output_weight
-from .lm import CachedLM
-from .medusa import MedusaDrafter, MedusaHeads, MedusaLoadError, load_heads, shipped_heads_for
-from .memory import return_free_memory
-from .models import CacheKey, LoadedModel, clear_model_cache, same_tokenizer
-from .uag import UniversalDrafter, shared_vocabulary, token_bytes
+from ..methods.draft_length import DraftLengthPolicy, TreeBudget, make_policy
+from ..methods.base import NGRAM_PREFERENCES, DraftModelDrafter, Drafter, NgramDrafter
+from ..core.loop import GenerationSettings, RoundEvent, plain_decode, seeded_generator, speculative_decode
+from ..backends.formats import ROW_WISE_MAX_QUERIES, is_int8_format, output_rows, output_weight
+from ..backends.transformers_lm import CachedLM
+from ..methods.medusa import MedusaDrafter, MedusaHeads, MedusaLoadError, load_heads, shipped_heads_for
+from ..backends.memory import return_free_memory
+from ..backends.loading import CacheKey, LoadedModel, clear_model_cache, same_tokenizer
+from ..methods.uag import UniversalDrafter, shared_vocabulary, token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ def spec_events(
     calibration: CostCurve | None = None,
 ) -> Iterator[RoundEvent]:
     """The speculative side of a run; ``calibration`` (this machine's cost curve for this target and format, see
-    :mod:`specdemo.calibration`) gives the adaptive draft length somewhere to start from."""
+    :mod:`specdemo.session.calibration`) gives the adaptive draft length somewhere to start from."""
     prior = policy_prior(calibration, target, draft, spec.mode)
     if spec.mode in MEDUSA_MODES:
         heads = medusa_heads(target, spec.medusa_heads)

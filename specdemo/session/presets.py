@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from . import offline
+from ..backends import offline
 
 logger = logging.getLogger(__name__)
 

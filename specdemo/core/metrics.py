@@ -30,10 +30,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from .draft_length import expected_tokens
+from ..methods.draft_length import expected_tokens
 
 if TYPE_CHECKING:
-    from .engine import Counters
+    from .loop import Counters
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 #: the number formats a target can run in: a torch dtype, or an int8-weight format (CPU only, see
-#: :mod:`specdemo.formats`): int8 (bfloat16 activations) or w8a8 (int8 activations with a scale per token)
+#: :mod:`specdemo.backends.formats`): int8 (bfloat16 activations) or w8a8 (int8 activations with a scale per token)
 FORMATS = ("bfloat16", "float16", "float32", formats.INT8, formats.W8A8)
 
 
@@ -142,7 +142,7 @@ def resolve_format(name: str, device: torch.device) -> str:
     """The number format ``name`` stands for on ``device``, as one of :data:`FORMATS`.
 
     ``auto`` is bfloat16 on CPU and on CUDA when supported (else float16), float16 on MPS. The app and the bench
-    refine ``auto`` on a CPU by measurement (:func:`specdemo.calibration.choose_format`).
+    refine ``auto`` on a CPU by measurement (:func:`specdemo.session.calibration.choose_format`).
     """
     text = (name or "auto").strip().lower().removeprefix("torch.")
     if text == "auto":
@@ -167,7 +167,7 @@ def resolve_format(name: str, device: torch.device) -> str:
 
 def draft_dtype(name: str) -> str:
     """The dtype a draft loads in beside a target in ``name``: drafts of an int8-weight target load in bfloat16 and
-    make their own int8 copy (see :func:`specdemo.drafters.int8_copy`); a draft's rows need no batch invariance."""
+    make their own int8 copy (see :func:`specdemo.methods.base.int8_copy`); a draft's rows need no batch invariance."""
     return "bfloat16" if (name or "").strip().lower() in formats.INT8_FORMATS else name
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from .calibration import CostCurve
+    from ..session.calibration import CostCurve
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class CostAwareDraftLength:
     the first round drafts a single token. Acceptance estimates are exponentially weighted, so the policy follows
     the text.
 
-    ``prior``: the machine's measured cost curve (:mod:`specdemo.calibration`): its verify costs (and
+    ``prior``: the machine's measured cost curve (:mod:`specdemo.session.calibration`): its verify costs (and
     ``draft_seconds_per_token``) count as one measurement each, so the first decisions rest on this machine's costs
     rather than on nothing. They are scaled by how much slower or faster this run's passes are than the curve
     says: a machine's speed drifts with its load (a one-token pass calibrated at 85 ms took 103-117 ms in runs
@@ -357,7 +357,7 @@ class CostAwareDraftLength:
 class TreeBudget(CostAwareDraftLength):
     """A node budget for token trees: always ``k_max`` nodes at most, and the verify cost model of the adaptive
     policy (measured passes fitted on top of the calibrated curve) for the drafter, which sizes each tree itself
-    from its candidates' probabilities (see :class:`specdemo.medusa.MedusaDrafter`)."""
+    from its candidates' probabilities (see :class:`specdemo.methods.medusa.MedusaDrafter`)."""
 
     def next_length(self, remaining: int | None = None) -> int:
         self._rounds += 1

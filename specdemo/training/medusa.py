@@ -1,10 +1,10 @@
-"""Train Medusa heads for a target by self-distillation, on a CPU: ``python -m specdemo.medusa_train``.
+"""Train Medusa heads for a target by self-distillation, on a CPU: ``python -m specdemo.training.medusa``.
 
 1. Corpus: source files of the Python standard library of the running interpreter (code, docstrings and, in
    ``pydoc_data``, the language reference's prose), which every machine with Python has offline. Each sequence is
    one chat turn: a user asks for a part of a module, the assistant's answer is that part of the file. Files are
    split into training and held-out sets by a hash of their path. The benchmark prompt files are never read.
-   With ``--answers N`` the target also answers N chat prompts built offline (:mod:`specdemo.medusa_prompts`:
+   With ``--answers N`` the target also answers N chat prompts built offline (:mod:`specdemo.training.corpus`:
    explanations, code writing and editing, summaries, translations, arithmetic, short writing) greedily, in
    batches, and its own answers join the corpus (self-distillation proper; one prompt in ``held_out_every`` is held
    out). Answers are written to disk batch by batch, so a restart carries on.
@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from .medusa import MedusaConfig, MedusaHeads
-from .medusa_prompts import training_prompts
+from ..methods.medusa import MedusaConfig, MedusaHeads
+from .corpus import training_prompts
 
 if TYPE_CHECKING:
-    from .models import LoadedModel
+    from ..backends.loading import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ def evaluate(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, wei
 
 def train(settings: TrainSettings) -> dict:
     """The whole run: corpus, cache, training, held-out accuracy, heads written to ``settings.out``."""
-    from .models import LoadSettings, load_model
+    from ..backends.loading import LoadSettings, load_model
 
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
@@ -350,7 +350,7 @@ def train(settings: TrainSettings) -> dict:
     weight = head_weight[: settings.head_tokens] if settings.head_tokens else head_weight
     weight = weight.float().contiguous()
     del loaded, model
-    from .models import clear_model_cache
+    from ..backends.loading import clear_model_cache
 
     clear_model_cache()
     hidden, labels = load_split(folder, "train")
@@ -420,7 +420,7 @@ def train(settings: TrainSettings) -> dict:
     if settings.answers:
         answer_counts["held_out_top1_per_head"] = evaluate(heads, answer_held_hidden, answer_held_labels, weight)
     report = {
-        "command": "python -m specdemo.medusa_train " + " ".join(sys.argv[1:]),
+        "command": "python -m specdemo.training.medusa " + " ".join(sys.argv[1:]),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items() if k != "extra"},
         "corpus": {
             "source": f"Python {sys.version.split()[0]} standard library sources (tests, idlelib, lib2to3, "
@@ -456,7 +456,7 @@ def _train_key(settings: TrainSettings) -> list:
 
 def main(argv: list[str] | None = None) -> int:
     defaults = TrainSettings()
-    parser = argparse.ArgumentParser(prog="python -m specdemo.medusa_train", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specdemo.training.medusa", description=__doc__.split("\n")[0])
     parser.add_argument("--target", default=defaults.target)
     parser.add_argument("--out", type=Path, required=True, help="folder to write the heads to")
     parser.add_argument("--heads", type=int, default=defaults.num_heads, dest="num_heads")

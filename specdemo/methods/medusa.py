@@ -24,9 +24,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .drafters import Proposal, RoundResult, head_token_ids, to_target_vocab
-from .lm import TargetPass, now
-from .sampling import SamplingSettings, target_distribution
+from .base import Proposal, RoundResult, head_token_ids, to_target_vocab
+from ..backends.transformers_lm import TargetPass, now
+from ..core.acceptance import SamplingSettings, target_distribution
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ WEIGHTS_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 #: the heads shipped for the offline target, and the sha256 of their weights file (checked on load)
 SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
     "qwen2.5-coder-1.5b": (
-        Path(__file__).parent / "data" / "medusa" / "qwen2.5-coder-1.5b",
+        Path(__file__).resolve().parents[1] / "data" / "medusa" / "qwen2.5-coder-1.5b",
         "9802afabf635fe464379397be83dfda1a07641f72e14e2168248b383eb2e13ff",
     ),
 }
@@ -241,7 +241,7 @@ def load_heads(
 
 def shipped_heads_for(target_source: str) -> tuple[Path, str] | None:
     """(folder, sha256) of the heads shipped with specdemo for this target (an offline-pack name), or None."""
-    from .offline import is_offline_source, offline_name
+    from ..backends.offline import is_offline_source, offline_name
 
     if not is_offline_source(target_source):
         return None

@@ -21,17 +21,9 @@ from typing import Callable, Iterator
 
 from PIL import Image, ImageDraw, ImageFont
 
-from .engine import REJECTED, TokenEvent
-from .racelog import SIDES, RaceLog
-from .views import (
-    KIND_COLOURS,
-    RaceState,
-    identical_html,
-    live_speedup,
-    pane_titles,
-    race_details,
-    race_title,
-)
+from ..core.loop import REJECTED, TokenEvent
+from ..session.racelog import SIDES, RaceLog
+from .views import KIND_COLOURS, RaceState, identical_html, live_speedup, pane_titles, race_details, race_title
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Both decoders take a prompt (token ids) and yield one :class:`RoundEvent` per target forward pass. The engine
 never prints, never seeds the global RNG and knows nothing of any UI. Each decoder times only its own device work
-(drafting, verification), so two decoders can be interleaved by one consumer (see :mod:`specdemo.race`) without
+(drafting, verification), so two decoders can be interleaved by one consumer (see :mod:`specdemo.session.race`) without
 either being charged for the other.
 """
 
@@ -16,10 +16,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from .detok import IncrementalDetokenizer
-from .draft_length import DraftLengthPolicy
-from .drafters import Drafter, Proposal, RoundResult
-from .lm import CausalLM, TargetPass, is_chain, now, tree_depths
-from .sampling import (
+from ..methods.draft_length import DraftLengthPolicy
+from ..methods.base import Drafter, Proposal, RoundResult
+from ..backends.transformers_lm import CausalLM, TargetPass, is_chain, now, tree_depths
+from .acceptance import (
     SamplingSettings,
     Verdict,
     accept_greedy,
