@@ -1,4 +1,4 @@
-"""``python app.py``: the speculative decoding race in the browser (Gradio). The UI lives in ``specdemo/ui.py``."""
+"""``python app.py``: the speculative decoding race in the browser (Gradio). The page lives in ``specdemo/app/``."""
 
 from specdemo.app import spaces as spaces_compat  # noqa: I001  # first: ZeroGPU needs `import spaces` before CUDA is touched
 
@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 from specdemo.session.presets import PRESETS
+from specdemo.session.request import DTYPES
 
 
 def positive_int(text: str) -> int:
@@ -51,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--share", action="store_true", help="also make a public gradio.live link")
     parser.add_argument("--pair", choices=list(PRESETS), help="default pair preset (default: offline pair if installed)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=list(DTYPES),
+        help="the target's format, as in the bench (the app's dropdown starts there); auto: on a CPU, the fastest "
+        "measured",
+    )
     parser.add_argument(
         "--no-custom-models",
         dest="custom_models",
@@ -99,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for noisy in ("httpx", "httpcore", "urllib3", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    from specdemo.app.ui import AppConfig, build_app, launch, preload
+    from specdemo.app.config import AppConfig
+    from specdemo.app.ui import build_app, launch, preload
 
     config = AppConfig(
         pair=args.pair,

@@ -2,29 +2,36 @@
 
 Every mode runs on every prompt with the same settings, modes interleaved per prompt (their order rotates), after
 a warm-up; each side is timed only around its own work. Results: a table, a JSON file and optionally a plot.
+
+The bench goes through the session as the app and the recorder do: the same parsers and limits
+(:mod:`specdemo.session.request`), the same warm-up, calibration call and divergence check
+(:mod:`specdemo.session.racer`), and each per-prompt entry is the one results schema
+(:class:`~specdemo.session.results.RunResult`) with the bench's own fields around it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from .session.calibration import CostCurve, FormatChoice, calibrate, choose_format
-from .methods.base import NGRAM_PREFERENCES
-from .core.loop import Counters, GenerationSettings, RoundEvent, collect
-from .backends.transformers_lm import now
+from .core.economics import CostCurve
+from .core.files import write_json_atomic
+from .session.calibration import FormatChoice, choose_format
+from .methods.ngram import NGRAM_PREFERENCES
+from .core.events import Counters, RoundEvent
+from .core.settings import GenerationSettings
+from .core.loop import collect
+from .core.clock import now
 from .core.metrics import compare, decode_rate, decode_speedup, run_metrics
 from .backends.loading import (
     LoadedModel,
@@ -36,20 +43,23 @@ from .backends.loading import (
     resolve_format,
 )
 from .backends.offline import OfflinePackError
-from .session.pipeline import (
-    MEDUSA_MODES,
-    SPEC_MODES,
-    InputError,
-    SpecSettings,
+from .methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, check_pair
+from .session.config import WARMUP_TOKENS
+from .session.pipeline import encode_prompt, plain_events, spec_events
+from .session.racer import calibrate_pair, compare_outputs, warm_up
+from .session.request import (
+    DTYPES,
+    MAX_NEW_TOKENS,
+    QUANTIZATIONS,
     check_lengths,
-    encode_prompt,
-    medusa_heads,
-    plain_events,
-    spec_events,
+    parse_max_new_tokens,
+    parse_num_draft_tokens,
 )
+from .session.results import Divergence, RunResult, rate_ratio
+from .core.errors import InputError
 from .session.presets import default_preset_key, get_preset, PRESETS
 from .session.prompts import Prompt, PromptFileError, load_prompts
-from .core.acceptance import SamplingSettings
+from .core.settings import SamplingSettings
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +70,7 @@ HF_MODES = {
     "hf-lookup": "model.generate(prompt_lookup_num_tokens=N)",
     "hf-uag": "model.generate(assistant_model=draft, tokenizer=..., assistant_tokenizer=...) (different tokenizers)",
 }
-ALL_MODES = ["plain", *SPEC_MODES, *HF_MODES]
+ALL_MODES = ["plain", *METHODS, *HF_MODES]
 
 
 @dataclass
@@ -80,7 +90,8 @@ class BenchConfig:
     modes: list[str]
     prompts: str
     max_new_tokens: int
-    draft_length: str
+    num_draft_tokens: str | int
+    max_num_draft_tokens: int
     temperature: float
     top_p: float
     top_k: int
@@ -95,7 +106,7 @@ class BenchConfig:
     per_category: int | None = None
     categories: list[str] | None = None
     uag_draft: str | None = None
-    draft_settings: dict[str, Any] = field(default_factory=dict)  # draft length, head, int8, n-gram sizes and rule
+    draft_settings: dict[str, Any] = field(default_factory=dict)  # draft head, int8, n-gram sizes and rule, heads
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -159,7 +170,18 @@ def _run_hf(
     return ModeRun(ids, target.tokenizer.decode(ids, skip_special_tokens=True), seconds, None)
 
 
-UAG_MODES = {"uag", "hf-uag"}
+def drafts_with_other_tokenizer(mode: str) -> bool:
+    """Whether ``mode`` drafts with a model of another tokenizer (``--uag-draft`` when given)."""
+    return mode == "hf-uag" or (mode in METHODS and METHODS[mode].other_tokenizer)
+
+
+def needs_draft_model(mode: str) -> bool:
+    return mode in ("hf-assisted", "hf-uag") or (mode in METHODS and METHODS[mode].needs_draft_model)
+
+
+def mode_draft(mode: str, draft: LoadedModel | None, uag_draft: LoadedModel | None) -> LoadedModel | None:
+    """The draft ``mode`` drafts with: ``--uag-draft`` for a mode of another tokenizer when given, else ``--draft``."""
+    return uag_draft if drafts_with_other_tokenizer(mode) and uag_draft is not None else draft
 
 
 def run_mode(
@@ -173,8 +195,7 @@ def run_mode(
     uag_draft: LoadedModel | None = None,
     calibration: CostCurve | None = None,
 ) -> ModeRun:
-    if mode in UAG_MODES and uag_draft is not None:
-        draft = uag_draft
+    draft = mode_draft(mode, draft, uag_draft)
     if mode in HF_MODES:
         return _run_hf(mode, target, draft, prompt_ids, settings, lookup_tokens)
 
@@ -183,29 +204,10 @@ def run_mode(
     if mode == "plain":
         final: RoundEvent = collect(plain_events(target, prompt_ids, settings))
     else:
-        mode_spec = SpecSettings(**{**asdict(spec), "mode": mode})
+        mode_spec = replace(spec, mode=mode)
         final = collect(spec_events(target, draft, prompt_ids, settings, mode_spec, calibration))
     seconds = now(target.device) - start
     return ModeRun(final.new_token_ids, final.text, seconds, final.counters)
-
-
-def divergence(reference: Sequence[int], other: Sequence[int]) -> int | None:
-    """First position where two outputs differ (a shorter output differs where it ends), None when identical."""
-    for position, (a, b) in enumerate(zip(reference, other)):
-        if a != b:
-            return position
-    if len(reference) != len(other):
-        return min(len(reference), len(other))
-    return None
-
-
-def divergence_margin(target: LoadedModel, prompt_ids: list[int], reference: Sequence[int], position: int) -> float:
-    """The target's top-1 minus top-2 logit where the outputs part (in the reference's context)."""
-    ids = torch.tensor([list(prompt_ids) + list(reference[:position])], device=target.device)
-    with torch.inference_mode():
-        logits = target.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
-    top2 = torch.topk(logits, 2).values
-    return float(top2[0] - top2[1])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -252,7 +254,7 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
             "alpha": None,
             "expected_speedup": None,
             "fraction_of_expected": None,
-            "identical_to_plain": sum(1 for r in rows if r["identical_to_plain"]),
+            "identical": sum(1 for r in rows if r["identical"]),  # prompts whose output is plain's
             "per_prompt_speedup_min": None,
             "speedup_by_repeat": None,
         }
@@ -284,7 +286,7 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
             entry["mean_draft_length"] = metrics.mean_draft_length  # for a tree: its nodes per round
             total = Counters.total(mode_counters)
             entry["tokens_per_target_pass"] = total.new_tokens / total.target_passes if total.target_passes else None
-            if mode in MEDUSA_MODES:  # head k's acceptance, given the heads before it were accepted
+            if METHODS[mode].needs_hidden_states:  # heads on the target: head k's acceptance, given the heads before
                 entry["per_head_acceptance"] = metrics.conditional_acceptance
             if plain_counters is not None:
                 comparison = compare(metrics, run_metrics(plain_counters))
@@ -325,7 +327,7 @@ def format_table(summary: dict[str, dict], by_category: dict[str, dict[str, dict
             f"{_spread(e.get('speedup_by_repeat')):>11} "
             f"{_fmt(e.get('decode_speedup'), '.2f', 'x'):>7} {_fmt(e.get('mean_draft_length'), '.1f'):>7} "
             f"{_fmt(e['acceptance_rate'], '.0%'):>7} {_fmt(e['mean_accepted_length'], '.2f'):>7} "
-            f"{_fmt(e['expected_speedup'], '.2f', 'x'):>7} {e['identical_to_plain']:>3}/{e['prompts']:<2}"
+            f"{_fmt(e['expected_speedup'], '.2f', 'x'):>7} {e['identical']:>3}/{e['prompts']:<2}"
         )
 
     for category, modes in by_category.items():
@@ -335,14 +337,6 @@ def format_table(summary: dict[str, dict], by_category: dict[str, dict[str, dict
     for mode, entry in summary.items():
         lines.append(row("ALL", mode, entry))
     return "\n".join(lines)
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as f:
-        json.dump(payload, f, indent=1)
-        temp = f.name
-    os.replace(temp, path)
 
 
 def plot(summary: dict[str, dict], by_category: dict[str, dict[str, dict]], path: Path) -> None:
@@ -400,13 +394,18 @@ def run_benchmark(
             raise InputError(f"prompt {prompt.id}: {error}") from None
     modes = config.modes
 
-    if config.warmup > 0:
-        warm = GenerationSettings(max_new_tokens=min(32, config.max_new_tokens), sampling=sampling, collect_probs=False)
-        for _ in range(config.warmup):
-            for mode in modes:
-                run_mode(
-                    mode, target, draft, encoded[0][1], warm, spec, config.hf_lookup_tokens, uag_draft, calibration
-                )
+    # the session's warm-up (the app's and the recorder's too) for the engine's modes, generate() for the hf-* ones
+    tokens = min(WARMUP_TOKENS, config.max_new_tokens)
+    warm = GenerationSettings(max_new_tokens=tokens, sampling=sampling, collect_probs=False)
+    for _ in range(config.warmup):
+        for mode in modes:
+            if mode in HF_MODES:
+                run_mode(mode, target, draft, encoded[0][1], warm, spec, config.hf_lookup_tokens, uag_draft)
+            elif mode == "plain":
+                warm_up(target, None, encoded[0][1], sampling, None, tokens)
+            else:
+                warm_up(target, mode_draft(mode, draft, uag_draft), encoded[0][1], sampling, replace(spec, mode=mode),
+                        tokens, plain=False)
 
     results: list[dict] = []
     counters: dict[tuple[str, str], Counters] = {}
@@ -424,47 +423,33 @@ def run_benchmark(
         plain = chosen.get("plain")
         for mode in modes:
             run = chosen[mode]
-            rate = len(run.ids) / run.seconds if run.seconds > 0 else 0.0
+            identical = parted = speedup = decode = None
+            if plain is not None:
+                position, margin = compare_outputs(target, ids, plain.ids, run.ids, sampling.greedy)
+                identical = position is None
+                parted = None if position is None else Divergence(position, margin)
+                speedup = rate_ratio(len(run.ids), run.seconds, len(plain.ids), plain.seconds)
+                if run.counters is not None and plain.counters is not None:
+                    decode = decode_speedup(
+                        decode_rate(len(run.ids), run.seconds, run.counters.prefill_seconds),
+                        decode_rate(len(plain.ids), plain.seconds, plain.counters.prefill_seconds),
+                    )
+            result = RunResult.of(run.counters, len(run.ids), run.seconds, identical, parted, speedup)
             entry: dict[str, Any] = {
                 "id": prompt.id,
                 "category": prompt.category,
                 "mode": mode,
                 "prompt_tokens": len(ids),
+                **result.as_dict(),
                 "new_token_ids": run.ids,
                 "text": run.text,
-                "seconds": run.seconds,
                 "seconds_all_repeats": [r.seconds for r in runs[mode]],
                 "new_tokens_all_repeats": [len(r.ids) for r in runs[mode]],
-                "tokens_per_s": rate,
-                "target_passes": run.counters.target_passes if run.counters else None,
-                "drafted": run.counters.drafted if run.counters else None,
-                "accepted": run.counters.accepted if run.counters else None,
-                "identical_to_plain": None,
-                "first_divergence": None,
-                "divergence_margin": None,
-                "speedup": None,
-                "prefill_seconds": run.counters.prefill_seconds if run.counters else None,
-                "decode_speedup": None,
+                "tokens_per_s": len(run.ids) / run.seconds if run.seconds > 0 else 0.0,
+                "decode_speedup": decode,
             }
             if mode == "plain":
                 entry["prompt_ids"] = list(ids)  # lets `python -m specdemo.replay` replay drafting rules offline
-            if run.counters is not None:
-                metrics = run_metrics(run.counters)
-                entry["acceptance_rate"] = metrics.acceptance_rate
-                entry["mean_accepted_length"] = metrics.mean_accepted_length
-            if plain is not None:
-                position = divergence(plain.ids, run.ids)
-                entry["identical_to_plain"] = position is None
-                entry["first_divergence"] = position
-                if position is not None and position < len(plain.ids):
-                    entry["divergence_margin"] = divergence_margin(target, ids, plain.ids, position)
-                plain_rate = len(plain.ids) / plain.seconds if plain.seconds > 0 else 0.0
-                entry["speedup"] = rate / plain_rate if plain_rate > 0 else None
-                if run.counters is not None and plain.counters is not None:
-                    entry["decode_speedup"] = decode_speedup(
-                        decode_rate(len(run.ids), run.seconds, run.counters.prefill_seconds),
-                        decode_rate(len(plain.ids), plain.seconds, plain.counters.prefill_seconds),
-                    )
             if run.counters is not None:
                 counters[(prompt.id, mode)] = run.counters
             results.append(entry)
@@ -514,9 +499,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--categories", help="comma list of categories to keep")
     parser.add_argument("--per-category", type=int, help="keep the first N prompts of each category (a balanced sample)")
     parser.add_argument("--limit", type=int, help="keep the first N prompts (after --categories and --per-category)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--num-draft-tokens", default="adaptive", help="k, 'adaptive' (cost-aware) or 'heuristic' (+2/-1)")
-    parser.add_argument("--max-draft-tokens", type=int, default=12, help="upper bound for adaptive policies")
+    parser.add_argument("--max-new-tokens", default="128", help=f"new tokens per run (1 to {MAX_NEW_TOKENS})")
+    parser.add_argument(
+        "--num-draft-tokens", default="adaptive",
+        help=f"k (1 to {MAX_NUM_DRAFT_TOKENS}), 'adaptive' (cost-aware) or 'heuristic' (+2/-1)",
+    )
+    parser.add_argument(
+        "--max-num-draft-tokens", type=int, default=12,
+        help=f"the most an adaptive policy drafts in one round (at most {MAX_NUM_DRAFT_TOKENS})",
+    )
     parser.add_argument("--draft-head-tokens", type=int, default=None, help="restrict the draft LM head to N frequent ids (0 = full; default auto)")
     parser.add_argument("--draft-int8", choices=["auto", "on", "off"], default="auto", help="draft with an int8 copy of the draft model (auto: on for a CPU draft; for uag, only beside an int8 target)")
     parser.add_argument("--ngram-max", type=int, default=4)
@@ -538,12 +529,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype",
         default="auto",
+        choices=list(DTYPES),
         help="the target's format: auto (on a CPU, measured: the fastest plain decoding among w8a8, int8 and bfloat16 "
         "where speculation can pay), bfloat16, float16, float32, int8 (CPU: int8 weights, bfloat16 activations), "
         "w8a8 (CPU: int8 weights, int8 activations with a scale per token, FBGEMM)",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
-    parser.add_argument("--load-in", choices=["4bit", "8bit"], help="bitsandbytes quantisation of the target (CUDA)")
+    parser.add_argument(
+        "--quantization", choices=list(QUANTIZATIONS), default="none",
+        help="bitsandbytes quantisation of the target (CUDA)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="warm-up runs of every mode before timing")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and mode (the median is kept)")
     parser.add_argument("--raw", action="store_true", help="send prompts as raw text, without the chat template")
@@ -570,6 +565,14 @@ def _parse_modes(text: str) -> list[str]:
     return ["plain", *dict.fromkeys(modes)]  # plain always runs: every figure is relative to it
 
 
+def _parsed(option: str, parse: Callable[[Any], Any], value: Any) -> Any:
+    """``parse(value)``, its InputError naming ``option``."""
+    try:
+        return parse(value)
+    except InputError as error:
+        raise InputError(f"{option}: {error}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -579,8 +582,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         hf_logging.disable_progress_bar()
     try:
         modes = _parse_modes(args.modes)
-        if args.max_new_tokens < 1:
-            raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        # the session's parsers: the values and limits of the app and the recorder
+        max_new_tokens = _parsed("--max-new-tokens", parse_max_new_tokens, args.max_new_tokens)
+        num_draft_tokens = _parsed("--num-draft-tokens", parse_num_draft_tokens, args.num_draft_tokens)
         if args.warmup < 0 or args.repeats < 1:
             raise InputError("--warmup must be >= 0 and --repeats >= 1")
         target_source, draft_source = args.target, args.draft
@@ -588,14 +592,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             preset = get_preset(args.pair or default_preset_key())
             target_source = target_source or preset.target
             draft_source = draft_source or preset.draft
-        needs_draft = any(m in ("draft", "hf-assisted") or (m in UAG_MODES and not args.uag_draft) for m in modes)
+        needs_draft = any(
+            needs_draft_model(m) and not (drafts_with_other_tokenizer(m) and args.uag_draft) for m in modes
+        )
         categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
         prompts = load_prompts(args.prompts, categories=categories, limit=args.limit, per_category=args.per_category)
         spec = SpecSettings(
             mode="draft",
-            draft_length=args.num_draft_tokens,
-            max_draft_length=args.max_draft_tokens,
-            head_tokens=args.draft_head_tokens,
+            num_draft_tokens=num_draft_tokens,
+            max_num_draft_tokens=args.max_num_draft_tokens,
+            draft_head_tokens=args.draft_head_tokens,
             draft_int8={"auto": None, "on": True, "off": False}[args.draft_int8],
             ngram_min=args.ngram_min,
             ngram_prefer=args.ngram_prefer,
@@ -604,7 +610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         spec.validate()
         SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed).validate()
-        target_settings = LoadSettings(dtype=args.dtype, device=args.device, quantization=args.load_in)
+        quantization = QUANTIZATIONS[args.quantization]
+        target_settings = LoadSettings(dtype=args.dtype, device=args.device, quantization=quantization)
         if args.calibration == "off":
             choice = FormatChoice(resolve_format(args.dtype, resolve_device(args.device)), "without calibration")
         else:
@@ -613,20 +620,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         target_settings = replace(target_settings, dtype=choice.format)
         load = LoadSettings(dtype=draft_dtype(choice.format), device=args.device)
         target = load_model(target_source, target_settings, progress=not args.quiet)
-        if any(m in MEDUSA_MODES for m in modes):
-            medusa_heads(target, args.medusa_heads)  # missing or misfit heads: one line before any run
         draft = load_model(draft_source, load, progress=not args.quiet) if needs_draft and draft_source else None
         uag_draft = None
-        if args.uag_draft and any(m in UAG_MODES for m in modes):
+        if args.uag_draft and any(drafts_with_other_tokenizer(m) for m in modes):
             uag_draft = load_model(args.uag_draft, load, progress=not args.quiet)
+        for mode in modes:  # a misfit pair (heads that do not fit, another tokenizer): one line before any run
+            if mode in METHODS:
+                check_pair(replace(spec, mode=mode), target, mode_draft(mode, draft, uag_draft))
         config = BenchConfig(
             target=target_source,
             draft=draft_source if needs_draft else None,
             uag_draft=args.uag_draft,
             modes=modes,
             prompts=str(args.prompts or "bundled"),
-            max_new_tokens=args.max_new_tokens,
-            draft_length=str(args.num_draft_tokens),
+            max_new_tokens=max_new_tokens,
+            num_draft_tokens=spec.num_draft_tokens,
+            max_num_draft_tokens=spec.max_num_draft_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
@@ -640,11 +649,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             limit=args.limit,
             per_category=args.per_category,
             categories=categories,
-            draft_settings={k: v for k, v in asdict(spec).items() if k != "mode"},
+            draft_settings={
+                k: v for k, v in asdict(spec).items() if k not in ("mode", "num_draft_tokens", "max_num_draft_tokens")
+            },
         )
         curve = None
         if args.calibration != "off":
-            curve = calibrate(target, draft, refresh=args.calibration == "refresh")
+            # the session's calibration call: the draft's step as the first mode that drafts with it runs it
+            drafting = next((m for m in modes if m in METHODS and mode_draft(m, draft, uag_draft) is draft
+                             and METHODS[m].needs_draft_model), "draft")
+            curve = calibrate_pair(target, draft, replace(spec, mode=drafting), refresh=args.calibration == "refresh")
             print(curve.summary(), flush=True)
         report = run_benchmark(
             config, target, draft, prompts, spec, progress=not args.quiet, uag_draft=uag_draft, calibration=curve
@@ -659,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     print(format_table(report["summary"], report["by_category"]))
     if args.json:
-        write_json_atomic(args.json, report)
+        write_json_atomic(args.json, report, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
         plot(report["summary"], report["by_category"], args.plot)

@@ -1,67 +1,33 @@
 """``python -m specdemo.record``: race headless and write the race as MP4, GIF, HTML replay and/or JSON log.
 
-The race is the app's own (:class:`specdemo.app.ui.Racer`: same validation, loading, warm-up, fair interleaving and
-divergence check), taking the bench's and the app's settings under the same names. ``--from FILE`` re-renders a
-saved log (``--json``, the app's download, or a saved ``/race`` response) instead of racing. Every file is written
-under a temporary name and renamed when complete, so a failure leaves no half-written file behind.
+The race is the session's own (:class:`specdemo.session.racer.Racer`: the app's validation, loading, warm-up, fair
+interleaving and divergence check), taking the bench's and the app's settings under the same names. ``--from FILE``
+re-renders a saved log (``--json``, the app's download, or a saved ``/race`` response) instead of racing: that path
+imports neither torch nor Gradio (the racing parts are imported only to race). Every file is written under a
+temporary name and renamed when complete (:mod:`specdemo.render.recording`), so a failure leaves no half-written
+file behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from .session.racelog import RaceLog, RaceLogError, dump, load
-from .render.video import GIF_SETTINGS, FrameCallback, VideoSettings, write_gif, write_mp4
+from .core.errors import InputError, first_line
+from .render.recording import FORMATS, write_recording
+from .render.video import VideoSettings
+from .session.racelog import RaceLog, RaceLogError, load
 
 logger = logging.getLogger(__name__)
 
-#: the files a race can be written as, in the order they are written (cheap ones first)
-FORMATS = ("json", "html", "gif", "mp4")
 #: options that only make sense when racing (refused with --from)
 RACE_OPTIONS = ("prompt", "prompt_file", "pair", "target", "draft")
-
-
-@contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary path next to ``path`` (same suffix) that replaces ``path`` when the block succeeds."""
-    partial = path.with_name(f".{path.stem}.partial-{os.getpid()}{path.suffix}")
-    try:
-        yield partial
-        os.replace(partial, path)
-    finally:
-        if partial.exists():
-            partial.unlink()
-
-
-def write_recording(
-    log: RaceLog, kind: str, path: str | Path, speed: float = 1.0, on_frame: FrameCallback | None = None
-) -> Path:
-    """Write one rendering of ``log`` (``kind`` from :data:`FORMATS`) atomically; returns the path."""
-    from .render.html_replay import render_html
-
-    path = Path(path)
-    with atomic_path(path) as partial:
-        if kind == "json":
-            dump(log, partial)
-        elif kind == "html":
-            partial.write_text(render_html(log), encoding="utf-8")
-        elif kind == "mp4":
-            write_mp4(log, partial, VideoSettings(speed=speed), on_frame)
-        elif kind == "gif":
-            write_gif(log, partial, replace(GIF_SETTINGS, speed=speed), on_frame)
-        else:
-            raise ValueError(f"unknown recording format {kind!r}; formats: {', '.join(FORMATS)}")
-    logger.info("Wrote %s", path)
-    return path
 
 
 @dataclass
@@ -99,13 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode", default="draft", help="speculative mode: draft, ngram, uag, medusa or medusa-chain (default draft)"
     )
     race.add_argument("--medusa-heads", help="Medusa heads folder (default: the offline target's shipped heads)")
-    race.add_argument("--num-draft-tokens", "--draft-tokens", dest="draft_tokens", default="adaptive", metavar="K",
+    race.add_argument("--num-draft-tokens", dest="num_draft_tokens", default="adaptive", metavar="K",
                       help="k, 'adaptive' (cost-aware) or 'heuristic' (+2/-1)")
     race.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     race.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     race.add_argument("--top-p", type=float, default=1.0)
     race.add_argument("--seed", type=int, default=0)
-    race.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32")
+    race.add_argument(
+        "--dtype", default="auto",
+        help="the target's format, as in the app and the bench: auto (on a CPU, measured), bfloat16, float16, "
+        "float32, int8 or w8a8",
+    )
     race.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
     race.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -138,10 +108,19 @@ def _request(args: argparse.Namespace) -> RecordRequest:
 
 
 def race_log(args: argparse.Namespace, show_progress: bool) -> RaceLog:
-    """Race as the app does (validation, loading, warm-up, fair interleaving, divergence check); the log."""
-    from .session.pipeline import InputError
-    from .app.ui import AppConfig, RaceRequest, Racer  # here, not at the top: --from needs no Gradio
+    """Race as the app does (validation, loading, warm-up, calibration, fair interleaving, divergence check); the
+    log. Model-loading errors come back as one-line InputErrors."""
+    # here, not at the top: re-rendering a saved log (--from) loads no model, so it needs neither torch nor Gradio
+    from .backends.loading import ModelLoadError
+    from .backends.offline import OfflinePackError
+    from .session.config import SessionConfig
+    from .session.racer import Racer
+    from .session.request import RaceRequest
 
+    if not show_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     if args.prompt_file is not None:
         try:
             prompt = args.prompt_file.read_text(encoding="utf-8")
@@ -149,7 +128,7 @@ def race_log(args: argparse.Namespace, show_progress: bool) -> RaceLog:
             raise InputError(f"cannot read the prompt file {args.prompt_file}: {error}") from None
     else:
         prompt = args.prompt
-    config = AppConfig(
+    config = SessionConfig(
         pair=args.pair, device=args.device, dtype=args.dtype, max_new_tokens_limit=32768,
         medusa_heads=args.medusa_heads,
     )
@@ -160,7 +139,7 @@ def race_log(args: argparse.Namespace, show_progress: bool) -> RaceLog:
         args.target or "",
         args.draft or "",
         args.mode,
-        args.draft_tokens,
+        args.num_draft_tokens,
         args.max_new_tokens,
         args.temperature,
         args.top_p,
@@ -169,20 +148,23 @@ def race_log(args: argparse.Namespace, show_progress: bool) -> RaceLog:
         "none",
         not args.raw,
     )
-    with tqdm(total=100, desc="loading", unit="%", disable=not show_progress, leave=False) as bar:
+    try:
+        with tqdm(total=100, desc="loading", unit="%", disable=not show_progress, leave=False) as bar:
 
-        def report(fraction: float, message: str) -> None:
-            bar.set_description_str(message[:60])
-            bar.update(max(0, round(100 * fraction) - bar.n))
+            def report(fraction: float, message: str) -> None:
+                bar.set_description_str(message[:60])
+                bar.update(max(0, round(100 * fraction) - bar.n))
 
-        prepared = racer.prepare(request, report)
-    for warning in prepared.warnings:
-        logger.warning("%s", warning)
-    state = None
-    total = 2 * prepared.settings.max_new_tokens
-    with tqdm(total=total, desc="racing", unit="tok", disable=not show_progress) as bar:
-        for state in racer.run(prepared):
-            bar.update(state.plain.counters.new_tokens + state.spec.counters.new_tokens - bar.n)
+            prepared = racer.prepare(request, report)
+        for warning in prepared.warnings:
+            logger.warning("%s", warning)
+        state = None
+        total = 2 * prepared.settings.max_new_tokens
+        with tqdm(total=total, desc="racing", unit="tok", disable=not show_progress) as bar:
+            for state in racer.run(prepared):
+                bar.update(state.plain.counters.new_tokens + state.spec.counters.new_tokens - bar.n)
+    except (ModelLoadError, OfflinePackError) as error:
+        raise InputError(first_line(error)) from None
     assert state is not None
     return state.log()
 
@@ -206,21 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     show_progress = not args.quiet
-    if args.quiet:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    from .backends.loading import ModelLoadError
-    from .backends.offline import OfflinePackError
-    from .session.pipeline import InputError
-
     try:
         request = _request(args)
         log = load(request.source) if request.source is not None else race_log(args, show_progress)
         write_all(log, request, show_progress)
-    except (InputError, RaceLogError, ModelLoadError, OfflinePackError, ValueError, OSError, RuntimeError) as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        print(f"error: {message}", file=sys.stderr)
+    except (InputError, RaceLogError, ValueError, OSError, RuntimeError) as error:
+        print(f"error: {first_line(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: no partial file left behind", file=sys.stderr)

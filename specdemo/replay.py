@@ -5,11 +5,13 @@ a prompt depends only on the prompt, that output and the drafter, not on timing.
 plain outputs of a ``python -m specdemo.bench`` JSON gives tokens per target pass with no timing noise, in well
 under a second per rule: a fair way to compare lookup rules on a machine whose single runs swing by 10 to 30 %.
 
-    python -m specdemo.replay bench-out/bf16-all.json --draft-tokens 10
+    python -m specdemo.replay bench-out/bf16-all.json --num-draft-tokens 10
 
 The rules are our n-gram drafter with each ``prefer`` setting (n from 4 down to 1) and transformers' prompt lookup
-rule (first occurrence, n from 2 down to 1) run in the same loop. The draft length is fixed, so the figures compare
-which tokens each rule proposes, not the adaptive policy.
+rule (first occurrence, n from 2 down to 1), each run in the engine's own decoding loop
+(:func:`specdemo.core.loop.speculative_decode`) over a stub target that writes the recorded output
+(:class:`RecordedTarget`), on simulated time. The draft length is fixed, so the figures compare which tokens each
+rule proposes, not the adaptive policy.
 
 With ``--cost-curve`` (a calibration: a bench JSON's ``calibration`` field, a cached calibration file, or a recorded
 curve such as ``assets/curves/avx2-only-fbgemm-int8.json``), the n-gram mode as the app runs it (the ``follow`` rule)
@@ -32,13 +34,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .session.calibration import CostCurve
-from .methods.draft_length import DraftLengthPolicy, FixedDraftLength, make_policy
-from .methods.base import NGRAM_PREFERENCES, Drafter, NgramDrafter, Proposal, RoundResult
+import torch
+
 from .backends.loading import ModelLoadError
 from .backends.offline import OfflinePackError
-from .session.pipeline import SpecSettings
-from .core.acceptance import Verdict
+from .core.clock import SimulatedClock
+from .core.economics import CostCurve
+from .core.loop import collect, speculative_decode
+from .core.protocol import DraftLengthPolicy, Drafter, TargetPass
+from .core.settings import GenerationSettings
+from .core.tree import tree_depths
+from .methods import SpecSettings
+from .methods.draft_length import FixedDraftLength, make_policy
+from .methods.ngram import NGRAM_PREFERENCES, NgramDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +75,60 @@ class ReplayRun:
     plain_seconds: float = 0.0
 
 
+class RecordedTarget:
+    """A stub :class:`~specdemo.core.protocol.LanguageModel` that writes a recorded greedy output.
+
+    Its logits (one-hot scores) put the recorded next token on top at every position of a pass, a tree's nodes at
+    their depth, so greedy verification accepts exactly the draft tokens that match the output. Each pass after
+    the prompt pass moves ``clock`` on by what ``cost_curve`` says a pass over its length costs (no time without a
+    curve); the prompt pass is not charged (the replay compares decoding after it).
+    """
+
+    device = torch.device("cpu")
+
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        clock: SimulatedClock,
+        cost_curve: CostCurve | None = None,
+    ) -> None:
+        self.sequence = [int(t) for t in prompt_ids] + [int(t) for t in output_ids]
+        self.vocab_size = max(self.sequence) + 1
+        self.clock = clock
+        self.cost_curve = cost_curve
+        self.one_pass = cost_curve.seconds[0] if cost_curve is not None else 0.0
+        self.length = 0
+        self._prompted = False
+
+    def reset(self) -> None:
+        self.length = 0
+        self._prompted = False
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        all_logits: bool = True,
+        parents: Sequence[int] | None = None,
+        with_hidden: bool = True,
+    ) -> TargetPass:
+        count = int(input_ids.numel())
+        if self._prompted:
+            self.clock.advance(self.one_pass * (self.cost_curve.cost(count) if self.cost_curve is not None else 1.0))
+        self._prompted = True
+        depths = tree_depths(parents) if parents is not None else list(range(count))
+        # the row at depth d predicts the token after position length + d
+        after = [self.length + depth + 1 for depth in (depths if all_logits else depths[-1:])]
+        self.length += count
+        tokens = [self.sequence[p] if p < len(self.sequence) else 0 for p in after]
+        logits = torch.zeros(len(tokens), self.vocab_size, dtype=torch.int8)
+        logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 1
+        return TargetPass(logits)
+
+    def keep(self, num_new: int, rows: Sequence[int]) -> None:
+        self.length -= num_new - len(rows)
+
+
 def replay_run(
     drafter: Drafter,
     prompt_ids: Sequence[int],
@@ -76,41 +138,30 @@ def replay_run(
 ) -> ReplayRun:
     """Greedy speculation with ``drafter`` over the recorded output, each round as long as ``policy`` asks.
 
-    As in the engine: the prompt pass writes the first token, then each round drafts, accepts the longest prefix
-    that matches the output and adds the target's own token; no round drafts past ``len(output_ids)``. On a
-    ``cost_curve`` a verify pass over n tokens costs what the curve says, and the policy is told so (drafting itself
-    is booked at no cost: an n-gram lookup takes microseconds beside a target pass).
+    The engine's own loop (:func:`~specdemo.core.loop.speculative_decode`) runs over a :class:`RecordedTarget` on
+    simulated time: the prompt pass writes the first token, then each round drafts, accepts the longest prefix that
+    matches the output and adds the target's own token; no round drafts past ``len(output_ids)``. On a
+    ``cost_curve`` a verify pass over n tokens costs what the curve says, and the policy is told so; drafting takes
+    no simulated time (an n-gram lookup takes microseconds beside a target pass).
     """
     if not output_ids:
         return ReplayRun(0, 0)
-    one_pass = cost_curve.seconds[0] if cost_curve is not None else 0.0
-    drafter.start(list(prompt_ids))
-    context = list(prompt_ids) + [output_ids[0]]
-    position = passes = 1
-    seconds = 0.0
-    while position < len(output_ids):
-        remaining = len(output_ids) - position
-        wanted = min(policy.next_length(remaining), remaining - 1)
-        draft = drafter.propose(context, wanted).tokens[:wanted] if wanted > 0 else []
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == output_ids[position + accepted]:
-            accepted += 1
-        drafter.feedback(RoundResult(Proposal(list(draft)), Verdict(accepted, int(output_ids[position + accepted]))))
-        verify_seconds = one_pass * (cost_curve.cost(len(draft) + 1) if cost_curve is not None else 1.0)
-        policy.update(len(draft), accepted, 0.0, verify_seconds)
-        seconds += verify_seconds
-        produced = output_ids[position : position + accepted + 1]
-        context.extend(produced)
-        position += len(produced)
-        passes += 1
-    return ReplayRun(len(output_ids), passes, seconds, one_pass * (len(output_ids) - 1))
+    clock = SimulatedClock()
+    target = RecordedTarget(prompt_ids, output_ids, clock, cost_curve)
+    settings = GenerationSettings(max_new_tokens=len(output_ids), stop_on_eos=False, collect_probs=False)
+    final = collect(speculative_decode(target, drafter, policy, prompt_ids, settings, clock=clock))
+    if final.new_token_ids != [int(t) for t in output_ids]:
+        raise RuntimeError("the replay did not write the recorded output")  # the stub target's logits are wrong
+    counters = final.counters
+    return ReplayRun(len(output_ids), counters.target_passes, counters.verify_seconds,
+                     target.one_pass * (len(output_ids) - 1))
 
 
-def replay_passes(drafter: Drafter, prompt_ids: Sequence[int], output_ids: Sequence[int], draft_tokens: int) -> int:
-    """Target passes greedy speculation with ``drafter`` (``draft_tokens`` per round at most) needs for the output."""
-    if draft_tokens < 0:
-        raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
-    return replay_run(drafter, prompt_ids, output_ids, FixedDraftLength(draft_tokens)).passes
+def replay_passes(drafter: Drafter, prompt_ids: Sequence[int], output_ids: Sequence[int], num_draft_tokens: int) -> int:
+    """Target passes greedy speculation with ``drafter`` (``num_draft_tokens`` per round at most) needs for the output."""
+    if num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+    return replay_run(drafter, prompt_ids, output_ids, FixedDraftLength(num_draft_tokens)).passes
 
 
 def ngram_rules(min_n: int = 1, max_n: int = 4) -> dict[str, Callable[[], Drafter]]:
@@ -123,13 +174,13 @@ def ngram_rules(min_n: int = 1, max_n: int = 4) -> dict[str, Callable[[], Drafte
 
 
 def tokens_per_pass(
-    items: Sequence[ReplayItem], rules: dict[str, Callable[[], Drafter]], draft_tokens: int
+    items: Sequence[ReplayItem], rules: dict[str, Callable[[], Drafter]], num_draft_tokens: int
 ) -> dict[str, dict[str, float]]:
     """``{category or "ALL": {rule: new tokens / target passes}}`` over the items."""
     totals: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     for item in items:
         for name, make in rules.items():
-            passes = replay_passes(make(), item.prompt_ids, item.output_ids, draft_tokens)
+            passes = replay_passes(make(), item.prompt_ids, item.output_ids, num_draft_tokens)
             for group in (item.category, "ALL"):
                 totals[group][name][0] += len(item.output_ids)
                 totals[group][name][1] += passes
@@ -175,9 +226,9 @@ def _encode_again(config: dict, ids: list[str]) -> dict[str, list[int]]:
     return {i: encode_prompt(target, prompts[i].text, chat=config.get("chat", True)) for i in ids}
 
 
-def format_replay(table: dict[str, dict[str, float]], draft_tokens: int) -> str:
+def format_replay(table: dict[str, dict[str, float]], num_draft_tokens: int) -> str:
     rules = list(next(iter(table.values())))
-    lines = [f"tokens per target pass, greedy, k = {draft_tokens} (replayed; higher is better)"]
+    lines = [f"tokens per target pass, greedy, k = {num_draft_tokens} (replayed; higher is better)"]
     lines.append(f"{'category':<16}" + "".join(f"{r:>14}" for r in rules))
     for group, row in table.items():
         lines.append(f"{group:<16}" + "".join(f"{row.get(r, 0.0):>14.3f}" for r in rules))
@@ -215,13 +266,13 @@ def decode_speedups_on_curve(
     """Per category and over all (``"ALL"``): the n-gram mode with ``spec``'s n-gram settings and longest draft (the
     app's and the bench's defaults if None) replayed on ``cost_curve``."""
     spec = spec or SpecSettings(mode="ngram")
-    max_draft_length = spec.max_draft_length
+    max_num_draft_tokens = spec.max_num_draft_tokens
     runs: dict[str, dict[str, list[ReplayRun]]] = defaultdict(lambda: defaultdict(list))
     for item in items:
         policies: dict[str, DraftLengthPolicy] = {
-            "adaptive": make_policy("adaptive", max_draft_length, free_drafts=True, prior=cost_curve)
+            "adaptive": make_policy("adaptive", max_num_draft_tokens, free_drafts=True, prior=cost_curve)
         }
-        policies.update({str(k): FixedDraftLength(k) for k in CURVE_DRAFT_LENGTHS if k <= max_draft_length})
+        policies.update({str(k): FixedDraftLength(k) for k in CURVE_DRAFT_LENGTHS if k <= max_num_draft_tokens})
         for name, policy in policies.items():
             drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_prefer)
             run = replay_run(drafter, item.prompt_ids, item.output_ids, policy, cost_curve)
@@ -289,7 +340,7 @@ def plain_prefill_shares(items: Sequence[ReplayItem]) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdemo.replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="a JSON written by python -m specdemo.bench (with the plain mode)")
-    parser.add_argument("--draft-tokens", type=int, default=10, help="draft length k, fixed (default 10)")
+    parser.add_argument("--num-draft-tokens", type=int, default=10, help="draft length k, fixed (default 10)")
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--cost-curve", type=Path, default=None,
@@ -298,17 +349,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        if args.draft_tokens < 1:
-            raise ValueError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
+        if args.num_draft_tokens < 1:
+            raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
         rules = ngram_rules(args.ngram_min, args.ngram_max)
         cost_curve = load_cost_curve(args.cost_curve) if args.cost_curve is not None else None
         items = load_items(args.results)
-        table = tokens_per_pass(items, rules, args.draft_tokens)
+        table = tokens_per_pass(items, rules, args.num_draft_tokens)
         curve_rows = decode_speedups_on_curve(items, cost_curve, plain_prefill_shares(items)) if cost_curve else None
     except (ValueError, OSError, ModelLoadError, OfflinePackError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(format_replay(table, args.draft_tokens))
+    print(format_replay(table, args.num_draft_tokens))
     if cost_curve is not None and curve_rows is not None:
         print()
         print(format_curve_rows(curve_rows, cost_curve))

@@ -92,10 +92,10 @@ def race(client: Client, **kwargs: Any) -> dict[str, Any]:
     return {
         "outcome": "served",
         "seconds": time.perf_counter() - started,
-        "speedup": result["speedup"],
-        "identical": result["identical"],
+        "speedup": result["spec"]["speedup"],
+        "identical": result["spec"]["identical"],
         "stop_reason": result.get("stop_reason"),
-        "tokens": result["spec"]["metrics"]["new_tokens"],
+        "tokens": result["spec"]["new_tokens"],
     }
 
 

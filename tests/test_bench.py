@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from specdemo import bench
 from specdemo.backends.loading import clear_model_cache
+from specdemo.session.results import RunResult, divergence
 
 from tiny import save_tiny_heads, save_tiny_pair
 
@@ -54,12 +58,18 @@ def test_bench_json_and_identity(pair, prompt_file, tmp_path, capsys):
     assert (tmp_path / "chart.png").stat().st_size > 1000
     results = report["results"]
     assert len(results) == 3 * 6
-    required = {"id", "category", "mode", "new_token_ids", "text", "seconds", "tokens_per_s", "target_passes",
-                "drafted", "accepted", "identical_to_plain", "first_divergence", "divergence_margin"}
+    schema = set(RunResult.__dataclass_fields__)  # the one results schema, the bench's fields around it
+    assert schema == {"new_tokens", "seconds", "prefill_seconds", "target_passes", "drafted", "accepted",
+                      "acceptance_rate", "mean_accepted_length", "identical", "divergence", "speedup"}
+    required = schema | {"id", "category", "mode", "new_token_ids", "text", "tokens_per_s", "decode_speedup"}
     for row in results:
         assert required <= set(row)
-        assert row["identical_to_plain"] is True, row  # float32 greedy: every mode writes what plain writes
-        assert row["first_divergence"] is None
+        assert not {"identical_to_plain", "first_divergence", "divergence_margin"} & set(row)  # the old names
+        assert row["identical"] is True, row  # float32 greedy: every mode writes what plain writes
+        assert row["divergence"] is None and row["new_tokens"] == len(row["new_token_ids"])
+    assert report["config"]["num_draft_tokens"] == 3 and report["config"]["max_num_draft_tokens"] == 12
+    assert "num_draft_tokens" not in report["config"]["draft_settings"]
+    assert report["summary"]["draft"]["identical"] == 3  # prompts whose output is plain's
     assert {r["id"] for r in results} == {"1", "s1", "s2"}
     for mode in ("plain", "draft", "ngram"):
         for key in ("tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_length"):
@@ -87,7 +97,7 @@ def test_bench_json_and_identity(pair, prompt_file, tmp_path, capsys):
 def test_bench_medusa_modes(pair, prompt_file, tmp_path, capsys):
     heads = save_tiny_heads(tmp_path / "heads")
     report = _run(pair, prompt_file, tmp_path, "--modes", "plain,medusa,medusa-chain", "--medusa-heads", heads)
-    assert all(row["identical_to_plain"] for row in report["results"])
+    assert all(row["identical"] for row in report["results"])
     for mode in ("medusa", "medusa-chain"):
         entry = report["summary"][mode]
         assert entry["tokens_per_target_pass"] >= 1.0 and entry["mean_draft_length"] is not None
@@ -123,7 +133,7 @@ def test_speedup_by_repeat_pairs_each_repeat_with_plains():
     def row(prompt: str, mode: str, seconds: list[float]) -> dict:
         return {"id": prompt, "mode": mode, "new_token_ids": [1] * 10, "new_tokens_all_repeats": [10] * len(seconds),
                 "seconds": sorted(seconds)[len(seconds) // 2], "seconds_all_repeats": seconds,
-                "prefill_seconds": None, "identical_to_plain": True, "speedup": None}
+                "prefill_seconds": None, "identical": True, "speedup": None}
 
     rows = [row("a", "plain", [10.0, 12.0]), row("b", "plain", [10.0, 12.0]),
             row("a", "draft", [5.0, 8.0]), row("b", "draft", [5.0, 8.0])]
@@ -143,7 +153,9 @@ def test_speedup_by_repeat_pairs_each_repeat_with_plains():
         (["--modes", "plain,warp"], "unknown mode"),
         (["--max-new-tokens", "0"], "max-new-tokens"),
         (["--target", "offline:nope"], "offline"),
-        (["--num-draft-tokens", "often"], "draft length"),
+        (["--num-draft-tokens", "often"], "--num-draft-tokens: draft tokens must be"),
+        (["--num-draft-tokens", "65"], "between 1 and 64"),
+        (["--max-new-tokens", "lots"], "--max-new-tokens: max new tokens must be a number"),
     ],
 )
 def test_bench_bad_input_is_one_clear_line(pair, prompt_file, tmp_path, capsys, args, message):
@@ -164,9 +176,19 @@ def test_bench_empty_prompt_file(pair, tmp_path, capsys):
 
 
 def test_divergence_helper():
-    assert bench.divergence([1, 2, 3], [1, 2, 3]) is None
-    assert bench.divergence([1, 2, 3], [1, 5, 3]) == 1
-    assert bench.divergence([1, 2, 3], [1, 2]) == 2
+    assert divergence([1, 2, 3], [1, 2, 3]) is None
+    assert divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert divergence([1, 2, 3], [1, 2]) == 2
+
+
+def test_the_command_line_front_ends_import_no_gradio():
+    """The bench and the recorder race through the session: importing them must not pull in the Gradio app."""
+    root = Path(__file__).resolve().parents[1]
+    script = "import sys, specdemo.record, specdemo.bench; print('gradio' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +209,7 @@ def test_bench_uag_modes(pair, prompt_file, tmp_path, other_tokenizer_draft):
     report = _run(pair, prompt_file, tmp_path, "--modes", "draft,uag,hf-uag", "--uag-draft", other_tokenizer_draft)
     rows = [r for r in report["results"] if r["mode"] in ("uag", "hf-uag")]
     assert len(rows) == 6
-    assert all(r["identical_to_plain"] for r in rows)
+    assert all(r["identical"] for r in rows)
     assert report["config"]["uag_draft"] == other_tokenizer_draft
 
 

@@ -9,8 +9,10 @@ import statistics
 import pytest
 import torch
 
+from specdemo.core import economics
 from specdemo.session import calibration
-from specdemo.session.calibration import CostCurve, Hardware, calibrate, detect_hardware
+from specdemo.core.economics import CostCurve, Hardware
+from specdemo.session.calibration import calibrate, detect_hardware
 from specdemo.backends.loading import LoadedModel, LoadSettings
 from tiny import llama
 
@@ -254,8 +256,8 @@ def test_calibrated_costs_count_at_the_speed_the_machine_runs_now() -> None:
 
 def test_the_drafter_books_its_catch_up_apart() -> None:
     """After plain steps the draft model catches up in a pass of its own, timed apart from drafting."""
-    from specdemo.methods.base import DraftModelDrafter
-    from specdemo.core.acceptance import SamplingSettings
+    from specdemo.methods.draft_model import DraftModelDrafter
+    from specdemo.core.settings import SamplingSettings
 
     drafter = DraftModelDrafter(llama(3), SamplingSettings(), target_vocab_size=96, int8=False)
     prompt = list(range(10, 30))
@@ -294,9 +296,9 @@ AVX2_W8A8 = curve(AVX2, 0.068, [1.0, 1.06, 1.17, 1.61, 3.1])
 
 
 def test_speculation_can_pay_per_cpu_class() -> None:
-    assert calibration.speculation_can_pay(NATIVE_BF16) and calibration.speculation_can_pay(NATIVE_INT8)
-    assert calibration.speculation_can_pay(AVX2_INT8)
-    assert not calibration.speculation_can_pay(AVX2_BF16)  # a pass over k tokens costs nearly k plain steps
+    assert economics.speculation_can_pay(NATIVE_BF16) and economics.speculation_can_pay(NATIVE_INT8)
+    assert economics.speculation_can_pay(AVX2_INT8)
+    assert not economics.speculation_can_pay(AVX2_BF16)  # a pass over k tokens costs nearly k plain steps
 
 
 @pytest.mark.parametrize(

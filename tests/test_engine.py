@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 
 from specdemo.methods.draft_length import CostAwareDraftLength, FixedDraftLength, HeuristicDraftLength, make_policy
-from specdemo.methods.base import DraftModelDrafter, NgramDrafter
-from specdemo.core.loop import (
-    ACCEPTED,
-    BONUS,
-    CORRECTED,
-    PLAIN,
-    GenerationSettings,
-    collect,
-    plain_decode,
-    speculative_decode,
-)
+from specdemo.methods.draft_model import DraftModelDrafter
+from specdemo.methods.ngram import NgramDrafter
+from specdemo.backends.formats import ROW_WISE_MAX_QUERIES
 from specdemo.backends.transformers_lm import CachedLM
-from specdemo.core.acceptance import SamplingSettings
+from specdemo.core.events import ACCEPTED, BONUS, CORRECTED, PLAIN
+from specdemo.core.loop import collect, plain_decode, speculative_decode
+from specdemo.core.settings import MAX_NUM_DRAFT_TOKENS, GenerationSettings, SamplingSettings
+from specdemo.core.tree import chain_parents, is_chain
 
 from tiny import VOCAB, gpt2, llama, qwen2, reference_greedy
 
@@ -174,10 +175,85 @@ def test_bad_settings_are_refused():
         make_policy("sometimes")
     with pytest.raises(ValueError, match="top_p"):
         SamplingSettings(temperature=1.0, top_p=0.0).validate()
+    assert make_policy(MAX_NUM_DRAFT_TOKENS).next_length() == MAX_NUM_DRAFT_TOKENS
+    with pytest.raises(ValueError, match=str(MAX_NUM_DRAFT_TOKENS)):
+        make_policy(MAX_NUM_DRAFT_TOKENS + 1)
+    # the longest draft comes from verification: with the last token it fits the int8 row-wise attention
+    assert ROW_WISE_MAX_QUERIES == MAX_NUM_DRAFT_TOKENS + 1
+
+
+def test_a_chain_is_the_tree_whose_parents_are_minus_one_zero_one():
+    assert chain_parents(4) == [-1, 0, 1, 2] and chain_parents(0) == []
+    assert is_chain(chain_parents(5)) and is_chain(None) and not is_chain([-1, 0, 0])
+    lm = CachedLM(TARGETS["llama"])
+    ids = torch.tensor(PROMPTS[0])
+    lm.reset()
+    causal = lm.run(ids, with_hidden=False).logits
+    lm.reset()
+    as_tree = lm.run(ids, parents=chain_parents(len(ids)), with_hidden=False).logits
+    assert torch.equal(causal, as_tree) and lm.length == len(ids)
+
+
+class _NeedsHidden(NgramDrafter):
+    """An n-gram drafter that says it reads the target's hidden states (and checks that it gets them)."""
+
+    needs_hidden_states = True
+
+    def start(self, prompt_ids, prefill=None) -> None:
+        assert prefill is not None and prefill.hidden_states is not None
+        super().start(prompt_ids, prefill)
+
+    def feedback(self, result) -> None:
+        assert result.target_pass is not None and result.target_pass.hidden_states is not None
+        super().feedback(result)
+
+
+@pytest.mark.parametrize("drafter", [NgramDrafter(1, 3), _NeedsHidden(1, 3)])
+def test_the_target_computes_hidden_states_only_for_a_drafter_that_reads_them(drafter):
+    target = TARGETS["llama"]
+    lm = CachedLM(target)
+    asked = []
+    original = lm.run
+
+    def spy(ids, all_logits=True, parents=None, with_hidden=True):
+        asked.append(with_hidden)
+        return original(ids, all_logits, parents, with_hidden)
+
+    lm.run = spy
+    settings = GenerationSettings(max_new_tokens=16)
+    final = collect(speculative_decode(lm, drafter, FixedDraftLength(3), PROMPTS[0], settings))
+    assert final.new_token_ids == reference_greedy(target, PROMPTS[0], 16)
+    assert asked == [drafter.needs_hidden_states] * len(asked) and len(asked) == final.counters.target_passes
+
+
+def test_both_decoders_read_the_time_from_an_injected_clock():
+    """A clock one second further on at every reading: the prompt pass takes 1 s, each round 1 s of drafting and
+    1 s of verifying (a plain step: 1 s), whatever the machine does."""
+    target = TARGETS["qwen2"]
+    settings = GenerationSettings(max_new_tokens=12)
+    ticks = itertools.count()
+    spec = collect(speculative_decode(CachedLM(target), NgramDrafter(), FixedDraftLength(3), PROMPTS[0], settings,
+                                      clock=lambda: float(next(ticks))))
+    counters = spec.counters
+    assert counters.prefill_seconds == 1.0 and counters.rounds > 0
+    assert counters.draft_seconds == counters.verify_seconds == float(counters.rounds)
+    ticks = itertools.count()
+    plain = collect(plain_decode(CachedLM(target), PROMPTS[0], settings, clock=lambda: float(next(ticks))))
+    assert plain.counters.prefill_seconds == 1.0 and plain.counters.verify_seconds == float(plain.counters.rounds)
+    assert plain.new_token_ids == spec.new_token_ids
+
+
+def test_the_event_and_settings_layers_import_no_torch():
+    """The render layer reads events and settings without torch (or gradio) being imported."""
+    code = ("import sys, specdemo.core.events, specdemo.core.settings, specdemo.core.economics; "
+            "print(sorted(m for m in ('torch', 'gradio', 'transformers') if m in sys.modules))")
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    assert result.stdout.strip() == "[]"
 
 
 def test_policies():
-    heuristic = HeuristicDraftLength(k=5)
+    heuristic = HeuristicDraftLength(num_draft_tokens=5)
     heuristic.update(5, 5, 0.1, 0.1)
     assert heuristic.next_length() == 7
     heuristic.update(7, 2, 0.1, 0.1)

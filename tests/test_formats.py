@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from specdemo.methods.draft_length import FixedDraftLength, TreeBudget, make_policy
-from specdemo.methods.base import DraftModelDrafter, NgramDrafter
-from specdemo.core.loop import GenerationSettings, collect, speculative_decode
+from specdemo.methods.draft_model import DraftModelDrafter
+from specdemo.methods.ngram import NgramDrafter
+from specdemo.core.settings import GenerationSettings
+from specdemo.core.loop import collect, speculative_decode
 from specdemo.backends.formats import (
     INT8,
     W8A8,
@@ -22,7 +24,8 @@ from specdemo.backends.formats import (
     row_wise_attention,
     to_int8_format,
 )
-from specdemo.backends.transformers_lm import CachedLM, tree_attention_mask
+from specdemo.backends.transformers_lm import CachedLM
+from specdemo.core.tree import tree_attention_mask
 from specdemo.methods.medusa import MedusaDrafter
 from specdemo.backends.loading import (
     LoadedModel,
@@ -176,7 +179,7 @@ def test_medusa_in_int8_equals_plain_int8_decoding(tree, fmt):
         expected = plain_ids(target, prompt, settings)
         for budget in (3, 8):
             drafter = MedusaDrafter(heads, weight, GREEDY, VOCAB, tree=tree, top_width=3)
-            policy = TreeBudget(k_max=budget) if tree else FixedDraftLength(budget)
+            policy = TreeBudget(max_num_draft_tokens=budget) if tree else FixedDraftLength(budget)
             final = collect(speculative_decode(CachedLM(target), drafter, policy, prompt, settings))
             assert final.new_token_ids == expected, (prompt, budget)
 
@@ -212,16 +215,18 @@ def test_format_names():
 
 def test_every_verify_pass_fits_the_row_wise_attention():
     from specdemo.backends.formats import ROW_WISE_MAX_QUERIES
-    from specdemo.session.pipeline import InputError, SpecSettings
+    from specdemo.core.errors import InputError
+    from specdemo.methods import SpecSettings
 
-    SpecSettings(max_draft_length=64).validate()
+    SpecSettings(max_num_draft_tokens=64).validate()
     assert 64 + 1 <= ROW_WISE_MAX_QUERIES  # the longest draft plus the last token
     with pytest.raises(InputError, match="between 1 and 64"):
-        SpecSettings(max_draft_length=65).validate()
+        SpecSettings(max_num_draft_tokens=65).validate()
 
 
 def test_a_universal_drafter_beside_an_int8_target_drafts_in_int8():
-    from specdemo.session.pipeline import SpecSettings, uag_draft_int8
+    from specdemo.methods import SpecSettings
+    from specdemo.methods.uag import uag_draft_int8
 
     cpu = torch.device("cpu")
     int8, bf16 = loaded_targets()

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from specdemo.core.loop import GenerationSettings, collect
+from specdemo.core.settings import GenerationSettings
+from specdemo.core.loop import collect
 from specdemo.backends.offline import offline_installed
-from specdemo.session.pipeline import SpecSettings, encode_prompt, plain_events, spec_events
+from specdemo.methods import SpecSettings
+from specdemo.session.pipeline import encode_prompt, plain_events, spec_events
 
 from tiny import reference_greedy
 

@@ -8,18 +8,16 @@ import pytest
 import torch
 
 from specdemo.methods.draft_length import FixedDraftLength, TreeBudget
-from specdemo.core.loop import ACCEPTED, REJECTED, GenerationSettings, collect, plain_decode, speculative_decode
-from specdemo.backends.transformers_lm import CachedLM, tree_attention_mask, tree_depths
-from specdemo.methods.medusa import (
-    MedusaConfig,
-    MedusaDrafter,
-    MedusaHeads,
-    MedusaLoadError,
-    build_tree,
-    file_sha256,
-    load_heads,
-)
-from specdemo.core.acceptance import SamplingSettings, accept_greedy_tree
+from specdemo.core.events import ACCEPTED, REJECTED
+from specdemo.core.settings import GenerationSettings
+from specdemo.core.loop import collect, plain_decode, speculative_decode
+from specdemo.backends.transformers_lm import CachedLM
+from specdemo.core.tree import tree_attention_mask, tree_depths
+from specdemo.methods.medusa import MedusaConfig, MedusaDrafter, MedusaHeads, MedusaLoadError, load_heads
+from specdemo.core.tree import build_tree
+from specdemo.core.files import file_sha256
+from specdemo.core.settings import SamplingSettings
+from specdemo.core.acceptance import accept_greedy_tree
 
 from tiny import VOCAB, gpt2, llama, qwen2
 
@@ -171,12 +169,12 @@ def test_tree_sized_by_the_cost_model_stays_exact_and_can_fall_back_to_plain_ste
     expected = plain_ids(model, prompt, settings)
     # dear verification: every extra token costs a whole pass, so no tree pays and the drafter proposes nothing
     drafter = medusa(model, heads, True, verify_cost=lambda n: float(n))
-    events = list(speculative_decode(CachedLM(model), drafter, TreeBudget(k_max=8), prompt, settings))
+    events = list(speculative_decode(CachedLM(model), drafter, TreeBudget(max_num_draft_tokens=8), prompt, settings))
     assert events[-1].new_token_ids == expected
     assert events[-1].counters.drafted == 0
     # free verification: trees use their whole budget
     drafter = medusa(model, heads, True, verify_cost=lambda n: 1.0)
-    events = list(speculative_decode(CachedLM(model), drafter, TreeBudget(k_max=8), prompt, settings))
+    events = list(speculative_decode(CachedLM(model), drafter, TreeBudget(max_num_draft_tokens=8), prompt, settings))
     assert events[-1].new_token_ids == expected
     assert max(e.drafted for e in events) == 8
 
@@ -190,7 +188,7 @@ def test_a_tree_drafter_whose_trees_do_not_pay_stops_scoring_its_heads_for_a_whi
     scored = []
     original = drafter._head_logits
     drafter._head_logits = lambda: scored.append(1) or original()
-    events = list(speculative_decode(CachedLM(model), drafter, TreeBudget(k_max=8), prompt, settings))
+    events = list(speculative_decode(CachedLM(model), drafter, TreeBudget(max_num_draft_tokens=8), prompt, settings))
     assert events[-1].new_token_ids == plain_ids(model, prompt, settings)
     # rests of 1, 2, 4, 8, 16, 32 rounds between looks: 59 rounds look at the heads 6 times, not 59
     assert len(scored) == 6
@@ -199,7 +197,7 @@ def test_a_tree_drafter_whose_trees_do_not_pay_stops_scoring_its_heads_for_a_whi
     scored.clear()
     original = drafter._head_logits
     drafter._head_logits = lambda: scored.append(1) or original()
-    events = list(speculative_decode(CachedLM(model), drafter, TreeBudget(k_max=8), prompt, settings))
+    events = list(speculative_decode(CachedLM(model), drafter, TreeBudget(max_num_draft_tokens=8), prompt, settings))
     # every round but two: the policy's timed plain step (round 2) and the last, with room for no draft
     assert len(scored) == events[-1].counters.rounds - 2
 
@@ -209,6 +207,7 @@ class OracleTree:
     round accepts two nodes off the prefix of the rows (the cache must keep rows 0, 1, 3)."""
 
     name = "oracle-tree"
+    needs_hidden_states = False
 
     def __init__(self, prompt, output, complete=True):
         self.full = list(prompt) + list(output)
@@ -218,7 +217,7 @@ class OracleTree:
         pass
 
     def propose(self, context, max_tokens):
-        from specdemo.methods.base import Proposal
+        from specdemo.core.protocol import Proposal
 
         at = len(context)
         right = self.full[at : at + 2]

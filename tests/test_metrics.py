@@ -2,9 +2,10 @@
 
 import pytest
 
-from specdemo.methods.draft_length import expected_tokens
-from specdemo.core.loop import Counters
-from specdemo.core.metrics import compare, decode_rate, expected_speedup, expected_tokens_per_pass, run_metrics
+from specdemo.core import economics
+from specdemo.core.economics import expected_speedup, expected_tokens, expected_tokens_per_pass
+from specdemo.core.events import Counters
+from specdemo.core.metrics import compare, decode_rate, run_metrics
 
 
 def test_leviathan_formula():
@@ -97,3 +98,26 @@ def test_counters_total_adds_runs():
     assert total.verify_seconds == pytest.approx(0.75)
     assert total.drafted_at == [3, 3, 2, 1] and total.accepted_at == [2, 1, 1, 1] and total.tested_at == [3, 2, 1, 1]
     assert total.draft_lengths == [4, 2, 3]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the economics: one expected-tokens formula, one break-even, one "can speculation pay"
+
+
+def test_break_even_acceptance_solves_the_one_expected_tokens_formula():
+    for k, cost in [(1, 1.3), (4, 2.0), (8, 3.5)]:
+        alpha = economics.break_even_acceptance(k, cost)
+        assert alpha is not None and 0.0 < alpha < 1.0
+        assert expected_tokens([alpha], k) == pytest.approx(cost, rel=1e-9)
+    assert economics.break_even_acceptance(4, 1.0) == 0.0  # a round no dearer than a plain step: any alpha pays
+    assert economics.break_even_acceptance(4, 5.0) is None  # even 5 tokens a round do not cover 5 plain steps
+
+
+def test_can_pay_is_the_best_speedup_against_the_margin():
+    flat = lambda k: 1.0 + 0.01 * k  # noqa: E731 - a verify pass that costs next to nothing more per token
+    steep = lambda k: float(k + 1)  # noqa: E731 - a pass over k + 1 tokens costs k + 1 plain steps
+    assert economics.best_speedup(flat, range(1, 9), 0.8) == pytest.approx(
+        max(expected_tokens([0.8], k) / flat(k) for k in range(1, 9)))
+    assert economics.can_pay(flat, range(1, 9)) and not economics.can_pay(steep, range(1, 9))
+    assert economics.best_speedup(flat, range(1, 1), 0.8) == 0.0 and not economics.can_pay(flat, [])
+    assert (economics.PAYING_ACCEPTANCE, economics.PAYING_SPEEDUP) == (0.8, 1.1)

@@ -1,6 +1,7 @@
 """The n-gram (prompt lookup) matcher."""
 
-from specdemo.methods.base import NgramDrafter, NgramIndex, Proposal, RoundResult
+from specdemo.methods.ngram import NgramDrafter, NgramIndex
+from specdemo.core.protocol import Proposal, RoundResult
 from specdemo.core.acceptance import Verdict
 
 

@@ -10,18 +10,24 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import tiny_app
-from specdemo.render import html_replay, video
+from specdemo.render import html_replay, recording, video
 from specdemo.session import racelog
 from specdemo import record
-from specdemo.app import ui
+from specdemo.app import handlers as app_handlers, ui
+from specdemo.app.recorder import Recorder
+from specdemo.render.views import pane_html
 from specdemo.session.racelog import RaceLog, RaceLogError
-from specdemo.render.views import RaceState
+from specdemo.session.racer import TIME_BUDGET, Racer
+from specdemo.session.request import RaceRequest
+from specdemo.session.state import RaceState, result_dict
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "own_cache")
 
@@ -32,8 +38,8 @@ CHROMIUM = os.environ.get("SPECDEMO_CHROMIUM", "/usr/bin/chromium")
 @pytest.fixture(scope="module")
 def raced() -> tuple[RaceState, RaceLog]:
     """One finished race on the tiny slow pair, as the app ran it: its final state and its log."""
-    racer = ui.Racer(tiny_app.config())
-    request = ui.RaceRequest(PROMPT, "tiny-slow", mode="draft", draft_tokens="4", max_new_tokens=24, dtype="float32")
+    racer = Racer(tiny_app.config())
+    request = RaceRequest(PROMPT, "tiny-slow", mode="draft", num_draft_tokens="4", max_new_tokens=24, dtype="float32")
     state = None
     for state in racer.run(racer.prepare(request)):
         pass
@@ -63,25 +69,31 @@ def test_log_survives_a_json_round_trip_and_rebuilds_the_race(raced) -> None:
     rebuilt = RaceState.from_log(again)
     for live, replayed in ((state.plain, rebuilt.plain), (state.spec, rebuilt.spec)):
         assert replayed.counters == live.counters  # every running counter, rebuilt in the engine's order
-        assert replayed.text == live.text and replayed.ids == live.ids and replayed.spans == live.spans
+        assert replayed.text == live.text and replayed.ids == live.ids and replayed.shown == live.shown
+        assert pane_html(replayed) == pane_html(live)
         assert replayed.finish_reason == live.finish_reason
     assert rebuilt.comparison == state.comparison and rebuilt.identical is True
     assert log.seconds == max(state.plain.counters.seconds, state.spec.counters.seconds)
-    figures = json.loads(text)["figures"]
-    assert figures["speedup"] == state.comparison.speedup and figures["identical"] is True
+    figures = json.loads(text)["figures"]  # both sides in the one results schema
+    assert figures["spec"]["speedup"] == state.comparison.speedup and figures["spec"]["identical"] is True
+    assert figures == {side: run.as_dict() for side, run in state.runs().items()}
+    assert figures["spec"]["new_tokens"] == 24 and figures["spec"]["divergence"] is None
+    assert log.settings.max_num_draft_tokens == 12
 
 
 def test_the_race_api_json_holds_the_log(raced, tmp_path: Path) -> None:
     state, log = raced
-    response = ui.result_dict(state)
+    response = result_dict(state)
     assert response["log"] == log.to_json()
     saved = tmp_path / "response.json"
     saved.write_text(json.dumps(response))
     assert racelog.load(saved) == log  # --from takes a saved /race response too
     # and the response's own fields follow from the log
-    rebuilt = ui.result_dict(RaceState.from_log(log))
-    for key in ("plain", "spec", "comparison", "speedup", "identical", "divergence"):
+    rebuilt = result_dict(RaceState.from_log(log))
+    for key in ("plain", "spec", "comparison", "mode", "num_draft_tokens", "max_num_draft_tokens", "log"):
         assert rebuilt[key] == response[key], key
+    for side in ("plain", "spec"):  # the one results schema, plus the texts and tokens
+        assert {k: v for k, v in response[side].items() if k in log.figures()[side]} == log.figures()[side]
 
 
 def test_log_is_compact(log: RaceLog) -> None:
@@ -95,14 +107,14 @@ def test_log_is_compact(log: RaceLog) -> None:
 
 
 def test_a_race_stopped_by_the_time_budget_is_logged_as_such() -> None:
-    racer = ui.Racer(tiny_app.config(race_time_budget=0.3))
-    request = ui.RaceRequest(PROMPT, "tiny-slow", mode="draft", draft_tokens="4", max_new_tokens=400, dtype="float32")
+    racer = Racer(tiny_app.config(race_time_budget=0.3))
+    request = RaceRequest(PROMPT, "tiny-slow", mode="draft", num_draft_tokens="4", max_new_tokens=400, dtype="float32")
     for state in racer.run(racer.prepare(request)):
         pass
     log = state.log()
-    assert log.stop_reason == ui.TIME_BUDGET and log.done and not log.plain[-1].finish_reason
+    assert log.stop_reason == TIME_BUDGET and log.done and not log.plain[-1].finish_reason
     assert RaceLog.from_json(json.loads(racelog.dumps(log))) == log
-    assert RaceState.from_log(log).stop_reason == ui.TIME_BUDGET
+    assert RaceState.from_log(log).stop_reason == TIME_BUDGET
     assert "identical so far" in html_replay.render_html(log)
 
 
@@ -171,7 +183,7 @@ def browser():
 @pytest.mark.browser
 def test_replay_plays_to_the_end_in_chromium(log: RaceLog, browser, tmp_path: Path) -> None:
     path = tmp_path / "race.html"
-    record.write_recording(log, "html", path)
+    recording.write_recording(log, "html", path)
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     page = context.new_page()
     requests: list[str] = []
@@ -188,7 +200,7 @@ def test_replay_plays_to_the_end_in_chromium(log: RaceLog, browser, tmp_path: Pa
         assert shown.evaluate_all("spans => spans.map(s => s.className.split('tok-')[1])") == kinds
         assert "".join(shown.all_text_contents()) == text
         assert "done" in page.inner_text(f"#{side}-stats")
-    assert f"{log.figures()['speedup']:.2f}×" in page.inner_text("#speedup")
+    assert f"{log.figures()['spec']['speedup']:.2f}×" in page.inner_text("#speedup")
     assert "identical output (24 tokens)" in page.inner_text("#identical")
     assert "round" in (page.locator("#spec-output .tok-accepted").first.get_attribute("title") or "")
     # the controls: scrub back to the middle, then restart from zero
@@ -204,7 +216,7 @@ def test_replay_plays_to_the_end_in_chromium(log: RaceLog, browser, tmp_path: Pa
 @pytest.mark.browser
 def test_replay_is_readable_on_a_phone(log: RaceLog, browser, tmp_path: Path) -> None:
     path = tmp_path / "race.html"
-    record.write_recording(log, "html", path)
+    recording.write_recording(log, "html", path)
     context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True)
     page = context.new_page()
     page.goto(path.as_uri())
@@ -223,7 +235,7 @@ def test_mp4_decodes_to_the_race_clock_at_the_chosen_speed(log: RaceLog, tmp_pat
     imageio = pytest.importorskip("imageio", reason="imageio reads the video back: pip install imageio")
     path = tmp_path / "race.mp4"
     settings = video.VideoSettings(speed=0.5)
-    record.write_recording(log, "mp4", path, speed=0.5)
+    recording.write_recording(log, "mp4", path, speed=0.5)
     reader = imageio.get_reader(path)
     try:
         meta = reader.get_meta_data()
@@ -272,7 +284,7 @@ def test_gif_keeps_every_kind_colour(log: RaceLog, tmp_path: Path) -> None:
     from specdemo.render.views import KIND_COLOURS
 
     path = tmp_path / "race.gif"
-    record.write_recording(log, "gif", path, speed=2.0)
+    recording.write_recording(log, "gif", path, speed=2.0)
     settings = replace(video.GIF_SETTINGS, speed=2.0)
     racing = len(video.frame_times(log, settings)) - round(settings.hold_seconds * settings.fps)
     drawn = np.asarray(list(video.frames(log, settings))[racing // 2], dtype=int)
@@ -309,14 +321,14 @@ def test_cli_races_and_writes_every_file(pair, tmp_path: Path, capsys) -> None:
     target, draft = pair
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("def add(a, b):")
-    paths = {kind: tmp_path / f"race.{kind}" for kind in record.FORMATS}
+    paths = {kind: tmp_path / f"race.{kind}" for kind in recording.FORMATS}
     argv = ["--target", target, "--draft", draft, "--prompt-file", str(prompt_file), "--max-new-tokens", "12",
             "--num-draft-tokens", "3", "--dtype", "float32", "--device", "cpu", "--speed", "4", "--quiet"]
     argv += [option for kind, path in paths.items() for option in (f"--{kind}", str(path))]
     assert record.main(argv) == 0
     assert all(path.stat().st_size > 1000 for path in paths.values())
     log = racelog.load(paths["json"])
-    assert log.settings.target == target and log.settings.pair is None and log.settings.draft_tokens == 3
+    assert log.settings.target == target and log.settings.pair is None and log.settings.num_draft_tokens == 3
     assert log.settings.prompt == "def add(a, b):" and log.done and len(kinds_and_texts(log, "spec")[0]) == 12
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["prompt.txt", *(p.name for p in paths.values())])
     # --from re-renders the saved log: the same page again
@@ -363,7 +375,7 @@ def test_a_failed_render_leaves_no_partial_file(log: RaceLog, tmp_path: Path, mo
         Path(path).write_bytes(b"half a video")
         raise OSError("the encoder stopped")
 
-    monkeypatch.setattr(record, "write_mp4", broken_mp4)
+    monkeypatch.setattr(recording, "write_mp4", broken_mp4)
     assert record.main(["--from", str(saved), "--mp4", str(tmp_path / "race.mp4"), "--quiet"]) == 2
     assert [p.name for p in tmp_path.iterdir()] == ["race.json"]
 
@@ -372,13 +384,33 @@ def test_a_failed_render_leaves_no_partial_file(log: RaceLog, tmp_path: Path, mo
 # the app
 
 
+def test_rerendering_a_log_imports_neither_torch_nor_gradio(log: RaceLog, tmp_path: Path) -> None:
+    """``--from`` loads no model: the render path (race log, views, replay, video) must not pull in torch."""
+    saved = tmp_path / "race.json"
+    racelog.dump(log, saved)
+    page = tmp_path / "race.html"
+    script = (
+        "import sys\n"
+        "from specdemo import record\n"
+        f"code = record.main(['--from', {str(saved)!r}, '--html', {str(page)!r}, '--quiet'])\n"
+        "heavy = sorted(name for name in ('torch', 'gradio', 'transformers') if name in sys.modules)\n"
+        "print(code, heavy)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "0 []", done.stdout
+    assert page.read_text() == html_replay.render_html(log)
+
+
 def test_app_offers_the_recordings_after_a_race(tmp_path: Path) -> None:
-    handlers = ui.make_handlers(tiny_app.config())
-    values = dict(zip(ui.INPUTS, [PROMPT, "tiny", "", "", "draft", "4", 16, 0.0, 1.0, 0, "float32", "none", True]))
-    updates = [dict(zip(ui.OUTPUTS, update)) for update in handlers.race(*values.values())]
+    handlers = app_handlers.make_handlers(tiny_app.config())
+    values = dict(zip(app_handlers.INPUTS, [PROMPT, "tiny", "", "", "draft", "4", 16, 0.0, 1.0, 0, "float32", "none", True]))
+    updates = [dict(zip(app_handlers.OUTPUTS, update)) for update in handlers.race(*values.values())]
     result = updates[-1]["result"]
     assert updates[0]["result"] is None  # a new race clears the JSON the recordings are made from
-    recorder = ui.Recorder()
+    recorder = Recorder()
     json_button, html_button = recorder.files(result)
     mp4_button, gif_button, preview = recorder.videos(result)
     buttons = {"json": json_button, "html": html_button, "mp4": mp4_button, "gif": gif_button}
@@ -391,20 +423,22 @@ def test_app_offers_the_recordings_after_a_race(tmp_path: Path) -> None:
     assert racelog.load(paths["json"]).to_json() == result["log"]
     # nothing to record (a stopped race): the buttons stay off
     assert not any(button.interactive for button in recorder.files(None))
-    cleared = ui.Recorder.clear()
+    cleared = Recorder.clear()
     assert len(cleared) == 5 and cleared[-1] is None and not any(b.interactive for b in cleared[:-1])
 
 
 def test_a_failed_recording_warns_and_the_app_keeps_serving(monkeypatch) -> None:
-    handlers = ui.make_handlers(tiny_app.config())
+    handlers = app_handlers.make_handlers(tiny_app.config())
     values = [PROMPT, "tiny", "", "", "draft", "4", 12, 0.0, 1.0, 0, "float32", "none", True]
-    result = dict(zip(ui.OUTPUTS, list(handlers.race(*values))[-1]))["result"]
+    result = dict(zip(app_handlers.OUTPUTS, list(handlers.race(*values))[-1]))["result"]
 
     def broken(*args, **kwargs):
         raise OSError("disk full\nsecond line")
 
-    monkeypatch.setattr(ui, "write_recording", broken)
-    recorder = ui.Recorder()
+    from specdemo.app import recorder as recorder_module
+
+    monkeypatch.setattr(recorder_module, "write_recording", broken)
+    recorder = Recorder()
     with pytest.warns(UserWarning, match="recording failed: disk full$"):
         mp4, gif, preview = recorder.videos(result)
     assert not mp4.interactive and not gif.interactive and preview is None

@@ -6,11 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdemo import bench, replay
-from specdemo.methods.base import NgramDrafter
+from specdemo.methods.ngram import NgramDrafter
 from specdemo.methods.draft_length import FixedDraftLength
-from specdemo.core.loop import GenerationSettings, collect, speculative_decode
+from specdemo.core.clock import SimulatedClock
+from specdemo.core.loop import collect, speculative_decode
+from specdemo.core.settings import GenerationSettings
 from specdemo.backends.transformers_lm import CachedLM
 from specdemo.backends.loading import clear_model_cache
 
@@ -30,6 +33,27 @@ def test_replay_counts_the_passes_the_engine_makes():
             assert final.new_token_ids == output
             passes = replay.replay_passes(NgramDrafter(1, 4, prefer), prompt, output, k)
             assert passes == final.counters.target_passes, (k, prefer)
+
+
+def test_the_recorded_target_puts_the_recorded_token_on_top_at_each_depth():
+    clock = SimulatedClock()
+    target = replay.RecordedTarget([1, 2, 3], [4, 5, 6, 7], clock)
+    target.reset()
+    assert target.run(torch.tensor([1, 2, 3]), all_logits=False).logits.argmax(-1).tolist() == [4]
+    # the last token (4), then a tree: 5 under it, 9 beside 5, 6 under 5; each row predicts the token after its depth
+    pass_ = target.run(torch.tensor([4, 5, 9, 6]), parents=[-1, 0, 0, 1])
+    assert pass_.logits.argmax(-1).tolist() == [5, 6, 6, 7] and pass_.hidden_states is None
+    target.keep(4, [0, 1, 3])  # the path 4 -> 5 -> 6
+    assert target.length == 6 and clock() == 0.0  # no cost curve: passes take no time
+
+
+def test_simulated_time_is_exact_between_readings():
+    clock = SimulatedClock()
+    clock.advance(12345.678)
+    before = clock()
+    clock.advance(0.068 * 1.17)
+    assert clock() - before == 0.068 * 1.17 and before - before == 0.0
+    assert float(clock()) == pytest.approx(12345.678 + 0.068 * 1.17)
 
 
 def test_replay_of_a_copied_answer():
@@ -64,7 +88,7 @@ def test_replay_cli_on_a_bench_json(tmp_path: Path, capsys):
     for item in items:  # the replay reproduces the pass counts of the run
         assert replay.replay_passes(NgramDrafter(1, 4, "recent"), item.prompt_ids, item.output_ids, 4) == ngram[item.id]["target_passes"]
 
-    assert replay.main([str(out), "--draft-tokens", "4"]) == 0
+    assert replay.main([str(out), "--num-draft-tokens", "4"]) == 0
     table = capsys.readouterr().out
     assert "follow" in table and "transformers" in table and "ALL" in table and "edit" in table
 
@@ -86,7 +110,7 @@ def test_replay_refuses_bad_files(tmp_path: Path, capsys, content: str, message:
     assert replay.main([str(path)]) == 2
     assert message in capsys.readouterr().err
     assert replay.main([str(tmp_path / "missing.json")]) == 2
-    assert replay.main([str(path), "--draft-tokens", "0"]) == 2
+    assert replay.main([str(path), "--num-draft-tokens", "0"]) == 2
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -98,7 +122,7 @@ CODE_EDITING_RUN = ASSETS / "bench" / "w8a8-code-editing-avx2-kernels-r3.json"
 
 
 def test_replay_on_a_cost_curve_counts_each_pass_at_its_cost():
-    from specdemo.session.calibration import CostCurve, Hardware
+    from specdemo.core.economics import CostCurve, Hardware
 
     curve = CostCurve(Hardware("cpu", "test"), "t", "int8", 16, [1, 2, 4], [0.1, 0.12, 0.2])
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -106,7 +130,7 @@ def test_replay_on_a_cost_curve_counts_each_pass_at_its_cost():
     run = replay.replay_run(NgramDrafter(1, 4), prompt, output, FixedDraftLength(10), curve)
     # the prompt pass writes 1; one round of 6 drafts (a pass over 7 tokens) writes the other 7
     assert run.passes == 2 and run.new_tokens == 8
-    assert run.seconds == pytest.approx(0.1 * curve.cost(7))
+    assert run.seconds == 0.1 * curve.cost(7)  # exactly: simulated time carries no rounding into a pass's cost
     assert run.plain_seconds == pytest.approx(0.7)
     plain = replay.replay_run(NgramDrafter(1, 4), prompt, output, FixedDraftLength(0), curve)
     assert plain.seconds == pytest.approx(plain.plain_seconds)

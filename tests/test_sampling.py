@@ -14,11 +14,13 @@ import torch
 from scipy.stats import chisquare
 
 from specdemo.methods.draft_length import FixedDraftLength
-from specdemo.methods.base import DraftModelDrafter, NgramDrafter
-from specdemo.core.loop import GenerationSettings, collect, plain_decode, speculative_decode
-from specdemo.backends.transformers_lm import CachedLM
+from specdemo.methods.draft_model import DraftModelDrafter
+from specdemo.methods.ngram import NgramDrafter
 from specdemo.methods.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
-from specdemo.core.acceptance import SamplingSettings, accept_sampling, target_distribution, warp_logits
+from specdemo.backends.transformers_lm import CachedLM
+from specdemo.core.acceptance import accept_sampling, target_distribution, warp_logits
+from specdemo.core.loop import collect, plain_decode, speculative_decode
+from specdemo.core.settings import GenerationSettings, SamplingSettings
 
 from tiny import llama
 

@@ -13,11 +13,18 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiny_app
-from specdemo.methods import base as drafters
+from specdemo.backends import int8 as drafters
 from specdemo.backends import loading as models
-from specdemo.app import ui
+from specdemo.app.config import AppConfig
+from specdemo.app.handlers import status_text
 from specdemo.backends.loading import LoadSettings, cache_key
-from specdemo.session.pipeline import InputError, MAX_CHARS_PER_TOKEN, default_max_prompt_tokens, release_models
+from specdemo.core.errors import InputError
+from specdemo.render.views import identical_html
+from specdemo.session.config import default_max_prompt_tokens
+from specdemo.session.pipeline import release_models
+from specdemo.session.racer import TIME_BUDGET, Racer
+from specdemo.session.request import MAX_CHARS_PER_TOKEN, RaceRequest
+from specdemo.session.state import result_dict
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -39,25 +46,25 @@ def race_records(caplog: pytest.LogCaptureFixture) -> list[dict]:
     return [
         json.loads(r.getMessage().removeprefix("race "))
         for r in caplog.records
-        if r.name == "specdemo.app.ui.races"
+        if r.name == "specdemo.races"
     ]
 
 
 def test_default_prompt_cap_fits_the_hardware() -> None:
     assert default_max_prompt_tokens("cpu") == 2048
     assert default_max_prompt_tokens("cuda") > 2048
-    assert ui.AppConfig(device="cpu").prompt_token_limit() == 2048
-    assert ui.AppConfig(device="cpu", max_prompt_tokens=99).prompt_token_limit() == 99
+    assert AppConfig(device="cpu").prompt_token_limit() == 2048
+    assert AppConfig(device="cpu", max_prompt_tokens=99).prompt_token_limit() == 99
 
 
 def test_huge_prompt_is_refused_at_once_and_nothing_loads(caplog: pytest.LogCaptureFixture) -> None:
     spy = SpyLoader()
-    racer = ui.Racer(tiny_app.config(loader=spy))
+    racer = Racer(tiny_app.config(loader=spy))
     prompt = " ".join(["word"] * 20_000)
-    caplog.set_level(logging.INFO, logger="specdemo.app.ui.races")
+    caplog.set_level(logging.INFO, logger="specdemo.races")
     started = time.perf_counter()
     with pytest.raises(InputError, match=r"too long: 99,999 characters.*2,048 prompt tokens"):
-        racer.prepare(ui.RaceRequest(prompt, pair="tiny"))
+        racer.prepare(RaceRequest(prompt, pair="tiny"))
     assert time.perf_counter() - started < 1.0
     assert spy.loaded == []
     (record,) = race_records(caplog)
@@ -66,60 +73,66 @@ def test_huge_prompt_is_refused_at_once_and_nothing_loads(caplog: pytest.LogCapt
 
 def test_prompt_over_the_token_cap_is_refused_before_the_draft_loads_or_any_pass() -> None:
     spy = SpyLoader()
-    racer = ui.Racer(tiny_app.config(loader=spy, max_prompt_tokens=5))
+    racer = Racer(tiny_app.config(loader=spy, max_prompt_tokens=5))
     prompt = "one two three four five six seven"  # 7 tokens, well under the character bound
     assert len(prompt) < 5 * MAX_CHARS_PER_TOKEN
     with pytest.raises(InputError, match="7 tokens, over the limit of 5 prompt tokens"):
-        racer.prepare(ui.RaceRequest(prompt, pair="tiny", chat=False))
+        racer.prepare(RaceRequest(prompt, pair="tiny", chat=False))
     assert spy.loaded == ["tiny:target"]
-    prepared = racer.prepare(ui.RaceRequest("one two three four five", pair="tiny", chat=False, max_new_tokens=4))
+    prepared = racer.prepare(RaceRequest("one two three four five", pair="tiny", chat=False, max_new_tokens=4))
     assert len(prepared.prompt_ids) == 5
 
 
 def test_time_budget_ends_the_race_with_its_figures_so_far(caplog: pytest.LogCaptureFixture) -> None:
-    racer = ui.Racer(tiny_app.config(race_time_budget=0.4))
-    prepared = racer.prepare(ui.RaceRequest(PROMPT, pair="tiny-slow", draft_tokens="2", max_new_tokens=480))
-    caplog.set_level(logging.INFO, logger="specdemo.app.ui.races")
+    racer = Racer(tiny_app.config(race_time_budget=0.4))
+    prepared = racer.prepare(RaceRequest(PROMPT, pair="tiny-slow", num_draft_tokens="2", max_new_tokens=480))
+    caplog.set_level(logging.INFO, logger="specdemo.races")
     started = time.perf_counter()
     *_, state = racer.run(prepared)
     assert time.perf_counter() - started < 3.0  # the whole race would need about 10 s
-    assert state.done and state.stop_reason == ui.TIME_BUDGET
+    assert state.done and state.stop_reason == TIME_BUDGET
     assert 0 < state.plain.counters.new_tokens < 480 and 0 < state.spec.counters.new_tokens < 480
     assert state.identical is True and state.comparison is not None and state.comparison.speedup > 0
-    assert "identical so far" in ui.identical_html(state)
-    assert ui.status_text(state).startswith("Stopped (time budget)")
-    result = ui.result_dict(state)
-    assert result["stopped"] is True and result["stop_reason"] == "time budget" and result["speedup"] > 0
+    assert "identical so far" in identical_html(state)
+    assert status_text(state).startswith("Stopped (time budget)")
+    result = result_dict(state)
+    assert result["stopped"] is True and result["stop_reason"] == "time budget" and result["spec"]["speedup"] > 0
     (record,) = race_records(caplog)
     assert record["ended"] == "time budget" and record["pair"] == "tiny-slow" and record["mode"] == "draft"
-    assert record["new_tokens"]["plain"] == state.plain.counters.new_tokens and record["speedup"] > 0
+    assert record["plain"]["new_tokens"] == state.plain.counters.new_tokens and record["spec"]["speedup"] > 0
+    assert record["num_draft_tokens"] == 2 and record["max_num_draft_tokens"] == 12
 
 
 def test_every_race_logs_one_line_without_the_prompt(caplog: pytest.LogCaptureFixture) -> None:
-    racer = ui.Racer(tiny_app.config())
-    caplog.set_level(logging.INFO, logger="specdemo.app.ui.races")
-    prepared = racer.prepare(ui.RaceRequest(PROMPT, pair="tiny", max_new_tokens=8))
+    racer = Racer(tiny_app.config())
+    caplog.set_level(logging.INFO, logger="specdemo.races")
+    prepared = racer.prepare(RaceRequest(PROMPT, pair="tiny", max_new_tokens=8))
     *_, state = racer.run(prepared)
     states = racer.run(prepared)  # a second race, stopped after its first round
     next(states)
     states.close()
     done, cancelled = race_records(caplog)
-    assert done["ended"] == "done" and done["identical"] is True and done["new_tokens"] == {"plain": 8, "spec": 8}
+    assert done["ended"] == "done" and done["spec"]["identical"] is True
+    assert (done["plain"]["new_tokens"], done["spec"]["new_tokens"]) == (8, 8)
     assert done["prompt_tokens"] == len(prepared.prompt_ids) and done["seconds"] > 0
-    assert {"pair", "mode", "target", "draft", "dtype", "device", "speedup"} <= set(done)
+    assert {"pair", "mode", "target", "draft", "dtype", "device", "num_draft_tokens", "max_num_draft_tokens"} <= set(done)
+    # each side in the one results schema, as the bench's entries, /race's sides and the race log's figures
+    assert set(done["spec"]) == set(result_dict(state)["spec"]) - {"text", "kinds", "tokens", "finish_reason",
+                                                                    "rejected"}
+    assert done["spec"]["speedup"] > 0 and done["plain"]["speedup"] == 1.0
     assert cancelled["ended"] == "cancelled"
     assert "cat" not in json.dumps(done) + json.dumps(cancelled)
 
 
 def test_switching_pairs_frees_the_models_the_new_pair_does_not_use() -> None:
     forgotten: list[frozenset] = []
-    racer = ui.Racer(tiny_app.config(forget_models=forgotten.append))
+    racer = Racer(tiny_app.config(forget_models=forgotten.append))
     settings = LoadSettings(dtype="auto", device="cpu")  # what the requests ask for
-    racer.prepare(ui.RaceRequest(PROMPT, pair="tiny", max_new_tokens=4))
-    racer.prepare(ui.RaceRequest(PROMPT, pair="tiny", mode="ngram", max_new_tokens=4))
-    racer.prepare(ui.RaceRequest(PROMPT, pair="tiny", max_new_tokens=4))
-    racer.prepare(ui.RaceRequest(PROMPT, pair="tiny-slow", max_new_tokens=4))
-    racer.prepare(ui.RaceRequest(PROMPT, pair="tiny-slow", target="tiny:target", mode="ngram", max_new_tokens=4))
+    racer.prepare(RaceRequest(PROMPT, pair="tiny", max_new_tokens=4))
+    racer.prepare(RaceRequest(PROMPT, pair="tiny", mode="ngram", max_new_tokens=4))
+    racer.prepare(RaceRequest(PROMPT, pair="tiny", max_new_tokens=4))
+    racer.prepare(RaceRequest(PROMPT, pair="tiny-slow", max_new_tokens=4))
+    racer.prepare(RaceRequest(PROMPT, pair="tiny-slow", target="tiny:target", mode="ngram", max_new_tokens=4))
     assert forgotten == [  # a draft-free mode on the same pair keeps its draft
         frozenset({cache_key("tiny:slow", settings), cache_key("tiny:draft", settings)}),
         frozenset({cache_key("tiny:target", settings), cache_key("tiny:draft", settings)}),
@@ -216,7 +229,7 @@ def test_a_cancelled_api_race_frees_the_queue(served) -> None:
     job.cancel()
     assert wait_for(lambda: closed(spied[:2]), 5.0), "the cancelled race is still running"
     started = time.monotonic()
-    assert client.predict(prompt=PROMPT, pair="tiny", max_new_tokens=8, api_name="/race")["identical"] is True
+    assert client.predict(prompt=PROMPT, pair="tiny", max_new_tokens=8, api_name="/race")["spec"]["identical"] is True
     assert time.monotonic() - started < 10
 
 
@@ -237,7 +250,7 @@ def test_a_disconnected_api_client_frees_the_worker(served) -> None:
     assert wait_for(lambda: len(spied) >= 2, 10)
     assert wait_for(lambda: closed(spied[:2]), 3.0), "the race of a client that hung up is still running"
     client = gradio_client.Client(url, verbose=False)
-    assert client.predict(prompt=PROMPT, pair="tiny", max_new_tokens=8, api_name="/race")["identical"] is True
+    assert client.predict(prompt=PROMPT, pair="tiny", max_new_tokens=8, api_name="/race")["spec"]["identical"] is True
 
 
 def test_bad_input_is_refused_at_once_while_a_race_holds_the_worker(served) -> None:

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from specdemo.methods.draft_length import FixedDraftLength, make_policy
-from specdemo.core.loop import GenerationSettings, collect, speculative_decode
+from specdemo.core.settings import GenerationSettings
+from specdemo.core.loop import collect, speculative_decode
 from specdemo.backends.transformers_lm import CachedLM
-from specdemo.core.acceptance import SamplingSettings
+from specdemo.core.settings import SamplingSettings
 from specdemo.methods.uag import (
     UniversalDrafter,
     reencode_after,

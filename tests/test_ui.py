@@ -12,10 +12,24 @@ import pandas as pd
 import pytest
 
 import tiny_app
-from specdemo.app import ui
-from specdemo.core.loop import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, TokenEvent
+from specdemo.app import charts, handlers as app_handlers, ui
+from specdemo.app.config import AppConfig
+from specdemo.core.errors import InputError
+from specdemo.core.events import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, TokenEvent
 from specdemo.app.spaces import gpu
-from specdemo.render.views import render_token, token_title
+from specdemo.methods import MAX_NUM_DRAFT_TOKENS, METHODS
+from specdemo.render.views import (
+    CSS,
+    figures_html,
+    identical_html,
+    legend_html,
+    render_token,
+    speedup_html,
+    token_title,
+)
+from specdemo.session import racer as racer_module
+from specdemo.session.request import DTYPES, RaceRequest, parse_max_new_tokens, parse_num_draft_tokens, parse_seed
+from specdemo.session.state import RaceState
 
 SPAN = re.compile(r'<span class="tok tok-(\w+)" title="([^"]*)">(.*?)</span>', re.S)
 PROMPT = "hello world the cat sat on the mat"
@@ -24,14 +38,14 @@ PROMPT = "hello world the cat sat on the mat"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def run(handlers: ui.Handlers, prompt: str = PROMPT, **overrides) -> list[dict]:
+def run(handlers: app_handlers.Handlers, prompt: str = PROMPT, **overrides) -> list[dict]:
     values = dict(
         prompt=prompt,
         pair="tiny",
         target="",
         draft="",
         mode="draft",
-        draft_tokens="4",
+        num_draft_tokens="4",
         max_new_tokens=40,
         temperature=0.0,
         top_p=1.0,
@@ -41,8 +55,8 @@ def run(handlers: ui.Handlers, prompt: str = PROMPT, **overrides) -> list[dict]:
         chat=True,
     )
     values.update(overrides)
-    updates = handlers.race(*[values[name] for name in ui.INPUTS])
-    return [dict(zip(ui.OUTPUTS, update)) for update in updates]
+    updates = handlers.race(*[values[name] for name in app_handlers.INPUTS])
+    return [dict(zip(app_handlers.OUTPUTS, update)) for update in updates]
 
 
 def spans(pane_html: str) -> list[tuple[str, str, str]]:
@@ -50,8 +64,8 @@ def spans(pane_html: str) -> list[tuple[str, str, str]]:
 
 
 @pytest.fixture()
-def handlers() -> ui.Handlers:
-    return ui.make_handlers(tiny_app.config())
+def handlers() -> app_handlers.Handlers:
+    return app_handlers.make_handlers(tiny_app.config())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -72,50 +86,51 @@ def test_render_token_escapes_text_and_title() -> None:
 
 
 def test_legend_names_every_kind() -> None:
-    legend = ui.legend_html()
+    legend = legend_html()
     for kind in (ACCEPTED, CORRECTED, BONUS, PLAIN, REJECTED):
         assert f"tok-{kind}" in legend
-    assert "white-space: pre-wrap" in ui.CSS and "line-through" in ui.CSS
+    assert "white-space: pre-wrap" in CSS and "line-through" in CSS
 
 
 def test_chart_frames_from_counters() -> None:
     counters = Counters()
     for drafted, accepted in [(4, 4), (4, 1), (3, 0), (4, 2)]:
         counters.record_round(drafted, accepted, accepted + 1)
-    lengths = ui.accepted_length_frame(counters)
+    lengths = charts.accepted_length_frame(counters)
     assert list(lengths["tokens per pass"]) == ["1", "2", "3", "4", "5"]
     assert list(lengths["rounds"]) == [1, 1, 1, 0, 1]
-    positions = ui.acceptance_position_frame(counters)
+    positions = charts.acceptance_position_frame(counters)
     assert list(positions["draft position"]) == ["1", "2", "3", "4"]
     assert list(positions["acceptance rate"]) == [0.75, 0.5, 0.25, 1 / 3]
-    assert ui.accepted_length_frame(Counters()).empty and ui.acceptance_position_frame(Counters()).empty
+    assert charts.accepted_length_frame(Counters()).empty and charts.acceptance_position_frame(Counters()).empty
 
 
 def test_badges() -> None:
-    state = ui.RaceState(None)
-    assert "pending" in ui.identical_html(state)
+    state = RaceState()
+    assert "pending" in identical_html(state)
     state.done = True
     state.plain.ids = [1, 2, 3]
-    assert "identical output (3 tokens)" in ui.identical_html(state)
+    assert "identical output (3 tokens)" in identical_html(state)
     state.divergence, state.margin = 1, 0.0625
-    tie = ui.identical_html(state)
+    tie = identical_html(state)
     assert "near-tie" in tie and "token 2" in tie and "logit margin 0.062" in tie
     state.margin = 4.0
-    assert "differ at token 2" in ui.identical_html(state)
-    assert "–" in ui.speedup_html(None) and "–" in ui.figures_html(None)
+    assert "differ at token 2" in identical_html(state)
+    assert "–" in speedup_html(None) and "–" in figures_html(None)
 
 
 def test_parsers() -> None:
-    assert ui.parse_draft_tokens("adaptive") == "adaptive" and ui.parse_draft_tokens("5") == 5
-    assert ui.parse_draft_tokens(3.0) == 3 and ui.parse_draft_tokens(None) == "adaptive"
-    for bad in ("0", "sometimes", 40, True):
-        with pytest.raises(ui.InputError):
-            ui.parse_draft_tokens(bad)
-    assert ui.parse_max_new_tokens(64.0, 100) == 64
+    assert parse_num_draft_tokens("adaptive") == "adaptive" and parse_num_draft_tokens("5") == 5
+    assert parse_num_draft_tokens(3.0) == 3 and parse_num_draft_tokens(None) == "adaptive"
+    assert parse_num_draft_tokens(MAX_NUM_DRAFT_TOKENS) == MAX_NUM_DRAFT_TOKENS == 64  # the bench's limit too
+    for bad in ("0", "sometimes", MAX_NUM_DRAFT_TOKENS + 1, True):
+        with pytest.raises(InputError):
+            parse_num_draft_tokens(bad)
+    assert parse_max_new_tokens(64.0, 100) == 64
     for bad in (0, -3, 101, 2.5, "lots", None):
-        with pytest.raises(ui.InputError, match="max new tokens"):
-            ui.parse_max_new_tokens(bad, 100)
-    assert ui.parse_seed(None) is None and ui.parse_seed(7.0) == 7
+        with pytest.raises(InputError, match="max new tokens"):
+            parse_max_new_tokens(bad, 100)
+    assert parse_seed(None) is None and parse_seed(7.0) == 7
 
 
 def test_spaces_decorator_is_a_no_op_without_spaces() -> None:
@@ -129,7 +144,7 @@ def test_spaces_decorator_is_a_no_op_without_spaces() -> None:
 # the race handler
 
 
-def test_race_colours_both_panes_and_outputs_are_identical(handlers: ui.Handlers) -> None:
+def test_race_colours_both_panes_and_outputs_are_identical(handlers: app_handlers.Handlers) -> None:
     updates = run(handlers)
     final = updates[-1]
     result = final["result"]
@@ -140,8 +155,8 @@ def test_race_colours_both_panes_and_outputs_are_identical(handlers: ui.Handlers
     # the shown pieces add up to the decoded text exactly; rejected drafts are extra (hidden by default)
     assert "".join(text for _, _, text in plain) == result["plain"]["text"]
     assert "".join(text for kind, _, text in spec if kind != "rejected") == result["spec"]["text"]
-    assert result["plain"]["text"] == result["spec"]["text"] and result["identical"] is True
-    assert len(result["spec"]["kinds"]) == 40 == result["spec"]["metrics"]["new_tokens"]
+    assert result["plain"]["text"] == result["spec"]["text"] and result["spec"]["identical"] is True
+    assert len(result["spec"]["kinds"]) == 40 == result["spec"]["new_tokens"]
     assert all("round" in title and "target p" in title for kind, title, _ in spec if kind != "rejected")
     # figures and badge
     assert re.search(r"\d+\.\d\d×", final["speedup"])
@@ -154,34 +169,34 @@ def test_race_colours_both_panes_and_outputs_are_identical(handlers: ui.Handlers
     race_df = final["race_plot"]
     assert isinstance(race_df, pd.DataFrame) and set(race_df["side"]) == {"plain", "speculative"}
     assert race_df.groupby("side")["tokens"].max().to_dict() == {"plain": 40, "speculative": 40}
-    assert int(final["length_plot"]["rounds"].sum()) == result["spec"]["metrics"]["rounds"]
+    assert int(final["length_plot"]["rounds"].sum()) == result["spec"]["target_passes"] - 1  # after the prompt pass
     assert (final["position_plot"]["acceptance rate"].between(0, 1)).all()
     json.dumps(result)  # the API's JSON is plain JSON
 
 
 def test_updates_stream_then_final_state_is_always_sent() -> None:
-    streaming = run(ui.make_handlers(tiny_app.config(update_interval=0.0)))
+    streaming = run(app_handlers.make_handlers(tiny_app.config(update_interval=0.0)))
     assert len(streaming) > 5
     first = streaming[0]
     assert first["plain_output"] == "" and first["race_plot"] is None and "Racing" in first["status"]
     counts = [len(spans(u["plain_output"])) for u in streaming]
     assert counts == sorted(counts)
     assert all(u["race_plot"] is not None for u in streaming[-1:])
-    throttled = run(ui.make_handlers(tiny_app.config(update_interval=60.0)))
+    throttled = run(app_handlers.make_handlers(tiny_app.config(update_interval=60.0)))
     assert len(throttled) == 2  # the starting view and the final state
-    assert throttled[-1]["result"]["identical"] is True
+    assert throttled[-1]["result"]["spec"]["identical"] is True
 
 
-def test_stop_closes_the_race_and_both_decoders(handlers: ui.Handlers, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stop_closes_the_race_and_both_decoders(handlers: app_handlers.Handlers, monkeypatch: pytest.MonkeyPatch) -> None:
     decoders = []
-    real_race = ui.race
+    real_race = racer_module.race
 
     def spying_race(plain, spec):
         decoders.extend([plain, spec])
         return real_race(plain, spec)
 
-    monkeypatch.setattr(ui, "race", spying_race)
-    values = dict(zip(ui.INPUTS, [PROMPT, "tiny", "", "", "draft", "2", 400, 0.0, 1.0, 0, "float32", "none", True]))
+    monkeypatch.setattr(racer_module, "race", spying_race)
+    values = dict(zip(app_handlers.INPUTS, [PROMPT, "tiny", "", "", "draft", "2", 400, 0.0, 1.0, 0, "float32", "none", True]))
     updates = handlers.race(*values.values())
     for _ in range(4):
         next(updates)
@@ -189,13 +204,13 @@ def test_stop_closes_the_race_and_both_decoders(handlers: ui.Handlers, monkeypat
     updates.close()  # what Gradio does when the Stop button cancels the event
     assert len(decoders) == 2 and all(d.gi_frame is None for d in decoders)  # both closed
     # and the app keeps working
-    assert run(handlers)[-1]["result"]["identical"] is True
+    assert run(handlers)[-1]["result"]["spec"]["identical"] is True
 
 
-def test_ngram_mode_needs_no_draft_and_shows_mode(handlers: ui.Handlers) -> None:
+def test_ngram_mode_needs_no_draft_and_shows_mode(handlers: app_handlers.Handlers) -> None:
     final = run(handlers, prompt="one two three one two three one two three", mode="ngram", pair="tiny-mismatch")[-1]
     assert final["result"]["draft"] is None and final["result"]["mode"] == "ngram"
-    assert final["result"]["identical"] is True
+    assert final["result"]["spec"]["identical"] is True
     assert "n-gram" in final["spec_stats"]
 
 
@@ -203,16 +218,16 @@ def test_medusa_modes_race_on_the_target_alone_with_named_heads(tmp_path) -> Non
     from tiny import save_tiny_heads
 
     heads = save_tiny_heads(tmp_path / "heads", vocab=tiny_app.VOCAB)
-    handlers = ui.make_handlers(tiny_app.config(medusa_heads=heads))
+    handlers = app_handlers.make_handlers(tiny_app.config(medusa_heads=heads))
     for mode in ("medusa", "medusa-chain"):
         final = run(handlers, mode=mode)[-1]
         assert final["result"]["draft"] is None and final["result"]["mode"] == mode
-        assert final["result"]["identical"] is True
+        assert final["result"]["spec"]["identical"] is True
     # without heads for this target: one line, and the app keeps serving
-    plain_handlers = ui.make_handlers(tiny_app.config())
+    plain_handlers = app_handlers.make_handlers(tiny_app.config())
     with pytest.raises(gr.Error, match="no Medusa heads ship for"):
         run(plain_handlers, mode="medusa")
-    assert run(plain_handlers)[-1]["result"]["identical"] is True
+    assert run(plain_handlers)[-1]["result"]["spec"]["identical"] is True
 
 
 @pytest.mark.parametrize(
@@ -229,7 +244,7 @@ def test_medusa_modes_race_on_the_target_alone_with_named_heads(tmp_path) -> Non
         ({"pair": "nope"}, "unknown pair"),
         ({"pair": "tiny-mismatch"}, "different tokenizer"),
         ({"mode": "telepathy"}, "unknown mode"),
-        ({"draft_tokens": "lots"}, "draft tokens"),
+        ({"num_draft_tokens": "lots"}, "draft tokens"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"seed": -4}, "seed"),
@@ -238,45 +253,48 @@ def test_medusa_modes_race_on_the_target_alone_with_named_heads(tmp_path) -> Non
         ({"max_new_tokens": 500, "prompt": "the " * 100}, "context"),
     ],
 )
-def test_bad_input_raises_gr_error_and_the_app_keeps_working(handlers: ui.Handlers, overrides, message) -> None:
+def test_bad_input_raises_gr_error_and_the_app_keeps_working(handlers: app_handlers.Handlers, overrides, message) -> None:
     with pytest.raises(gr.Error) as caught:
         run(handlers, **overrides)
     assert message in caught.value.message
     assert "\n" not in caught.value.message
-    assert run(handlers)[-1]["result"]["identical"] is True
+    assert run(handlers)[-1]["result"]["spec"]["identical"] is True
 
 
 def test_custom_models_can_be_switched_off() -> None:
-    handlers = ui.make_handlers(tiny_app.config(custom_models=False))
+    handlers = app_handlers.make_handlers(tiny_app.config(custom_models=False))
     with pytest.raises(gr.Error, match="switched off"):
         run(handlers, target="tiny:target")
-    assert run(handlers)[-1]["result"]["identical"] is True
+    assert run(handlers)[-1]["result"]["spec"]["identical"] is True
 
 
-def test_custom_pair_and_warnings(handlers: ui.Handlers) -> None:
+def test_custom_pair_and_warnings(handlers: app_handlers.Handlers) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         final = run(handlers, target="tiny:target", draft="tiny:target", max_new_tokens=12)[-1]
     assert final["result"]["target"] == "tiny:target" and final["result"]["draft"] == "tiny:target"
-    assert final["result"]["spec"]["metrics"]["acceptance_rate"] == 1.0
+    assert final["result"]["spec"]["acceptance_rate"] == 1.0
     assert any("draft is the target itself" in str(w.message) for w in caught)
 
 
-def test_sampling_runs_and_says_why_texts_differ(handlers: ui.Handlers) -> None:
+def test_sampling_runs_and_says_why_texts_differ(handlers: app_handlers.Handlers) -> None:
     with pytest.warns(UserWarning, match="Sampling"):
         final = run(handlers, temperature=1.0, top_p=0.9, seed=3, max_new_tokens=24)[-1]
     result = final["result"]
     assert result["temperature"] == 1.0 and len(result["spec"]["kinds"]) == 24
-    if not result["identical"]:
+    if not result["spec"]["identical"]:
         assert "sampled" in final["identical"]
 
 
-def test_api_returns_texts_kinds_and_metrics(handlers: ui.Handlers) -> None:
-    *progress, result = handlers.api(PROMPT, pair="tiny", mode="draft", draft_tokens="3", max_new_tokens=16, chat=False)
+def test_api_returns_texts_kinds_and_metrics(handlers: app_handlers.Handlers) -> None:
+    *progress, result = handlers.api(PROMPT, pair="tiny", mode="draft", num_draft_tokens="3", max_new_tokens=16, chat=False)
     assert progress and all(p["running"] for p in progress)
-    assert result["plain"]["text"] == result["spec"]["text"] and result["identical"] is True
+    assert result["plain"]["text"] == result["spec"]["text"] and result["spec"]["identical"] is True
     assert set(result["spec"]["kinds"]) <= {ACCEPTED, CORRECTED, BONUS, PLAIN}
-    assert result["plain"]["metrics"]["new_tokens"] == 16 and result["speedup"] > 0
+    assert result["plain"]["new_tokens"] == 16 and result["spec"]["speedup"] > 0
+    assert result["spec"]["speedup"] == result["comparison"]["speedup"] and result["plain"]["speedup"] == 1.0
+    assert result["plain"]["identical"] is True and result["spec"]["divergence"] is None
+    assert result["num_draft_tokens"] == 3 and result["max_num_draft_tokens"] == 12
     assert {"speedup", "draft_cost", "verify_cost", "expected_speedup", "decode_speedup", "prefill_share"} <= set(
         result["comparison"]
     )
@@ -286,9 +304,9 @@ def test_api_returns_texts_kinds_and_metrics(handlers: ui.Handlers) -> None:
 
 
 def test_warm_up_runs_once_per_pair() -> None:
-    handlers = ui.make_handlers(tiny_app.config(warmup_tokens=4))
-    first = handlers.racer.prepare(ui.RaceRequest(PROMPT, "tiny", mode="draft", max_new_tokens=8, dtype="float32"))
-    again = handlers.racer.prepare(ui.RaceRequest(PROMPT, "tiny", mode="draft", max_new_tokens=8, dtype="float32"))
+    handlers = app_handlers.make_handlers(tiny_app.config(warmup_tokens=4))
+    first = handlers.racer.prepare(RaceRequest(PROMPT, "tiny", mode="draft", max_new_tokens=8, dtype="float32"))
+    again = handlers.racer.prepare(RaceRequest(PROMPT, "tiny", mode="draft", max_new_tokens=8, dtype="float32"))
     assert first.warmup_seconds > 0 and again.warmup_seconds == 0
 
 
@@ -308,7 +326,10 @@ def test_page_has_ids_examples_queue_and_api() -> None:
     assert components["custom-target"]["props"]["visible"] is True
     assert components["quantization"]["props"]["interactive"] is False
     mode_choices = [value for _, value in components["mode"]["props"]["choices"]]
-    assert mode_choices == list(ui.SPEC_MODES)
+    assert mode_choices == list(METHODS)
+    (dtype,) = [c for c in demo.config["components"] if c["props"].get("label") == "dtype"]
+    assert [value for _, value in dtype["props"]["choices"]] == list(DTYPES)
+    assert {"int8", "w8a8"} <= set(DTYPES)
     dependencies = demo.config["dependencies"]
     race_deps = [d for d in dependencies if d.get("api_name") == "race"]
     assert len(race_deps) == 1
@@ -342,11 +363,19 @@ def test_app_arguments() -> None:
     assert args.custom_models is False and args.pair == "smollm2-1.7b" and args.port == 7999
     with pytest.raises(SystemExit):
         app.build_parser().parse_args(["--pair", "nope"])
+    # one tuple of formats: app.py, the app's dropdown (above) and the bench offer the same
+    from specdemo import bench
+
+    def dtype_choices(parser) -> list[str]:
+        return next(action.choices for action in parser._actions if "--dtype" in action.option_strings)
+
+    assert dtype_choices(app.build_parser()) == dtype_choices(bench.build_parser()) == list(DTYPES)
+    assert app.build_parser().parse_args(["--dtype", "w8a8"]).dtype == "w8a8"
 
 
 def test_uag_presets_select_the_uag_mode():
     from specdemo.session.presets import PRESETS
-    from specdemo.app.ui import AppConfig, mode_for_pair
+    from specdemo.app.ui import mode_for_pair
 
     config = AppConfig()
     assert mode_for_pair(config, "offline-smollm-qwen-coder", "draft") == "uag"
@@ -357,18 +386,18 @@ def test_uag_presets_select_the_uag_mode():
 
 def test_the_cost_curve_is_measured_once_and_charted(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path))
-    handlers = ui.make_handlers(tiny_app.config(calibrate=True))
+    handlers = app_handlers.make_handlers(tiny_app.config(calibrate=True))
     outputs = list(handlers.race(PROMPT, "tiny", "", "", "draft", "3", 12, 0.0, 1.0, 0, "float32", "none", True))
-    chart = outputs[0][ui.OUTPUTS.index("cost_plot")]
+    chart = outputs[0][app_handlers.OUTPUTS.index("cost_plot")]
     frame = chart["value"]
     assert chart["visible"] is True and "On this machine" in chart["title"]
     assert list(frame["tokens in the pass"]) == ["1", "2", "4", "8", "16"]
-    assert frame["cost (one-token passes)"][0] == 1.0 and set(frame["speculation"]) <= set(ui.COST_COLOURS)
-    result = outputs[-1][ui.OUTPUTS.index("result")]
+    assert frame["cost (one-token passes)"][0] == 1.0 and set(frame["speculation"]) <= set(charts.COST_COLOURS)
+    result = outputs[-1][app_handlers.OUTPUTS.index("result")]
     assert result["calibration"]["lengths"] == [1, 2, 4, 8, 16] and result["calibration"]["draft"] == "tiny:draft"
     assert len(list(tmp_path.rglob("*.json"))) == 1  # cached: the next race on this pair measures nothing
     list(handlers.race(PROMPT, "tiny", "", "", "draft", "3", 12, 0.0, 1.0, 0, "float32", "none", True))
-    assert handlers.racer.prepare(ui.RaceRequest(PROMPT, pair="tiny")).calibration.from_cache
+    assert handlers.racer.prepare(RaceRequest(PROMPT, pair="tiny")).calibration.from_cache
 
 
 def test_pair_info_names_the_target_format(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

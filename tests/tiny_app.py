@@ -137,7 +137,7 @@ EXAMPLES = [
 
 
 def config(**overrides):
-    from specdemo.app.ui import AppConfig
+    from specdemo.app.config import AppConfig
 
     values = dict(
         pair="tiny",
@@ -170,14 +170,15 @@ def served_with_spied_races(spied: list, **overrides):
     """The app on tiny models served on a free port (yields its URL), with the decoders of every race appended to
     ``spied``, to see when a race is closed."""
     from specdemo.app import ui
+    from specdemo.session import racer
 
-    real_race = ui.race
+    real_race = racer.race
 
     def spying_race(plain, spec):
         spied.extend([plain, spec])
         return real_race(plain, spec)
 
-    ui.race = spying_race
+    racer.race = spying_race
     demo = ui.build_app(config(**overrides))
     port = free_port()
     try:
@@ -185,4 +186,4 @@ def served_with_spied_races(spied: list, **overrides):
         yield f"http://127.0.0.1:{port}/"
     finally:
         demo.close()
-        ui.race = real_race
+        racer.race = real_race

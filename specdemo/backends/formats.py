@@ -41,6 +41,8 @@ from transformers.pytorch_utils import Conv1D
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..core.settings import MAX_NUM_DRAFT_TOKENS
+
 logger = logging.getLogger(__name__)
 
 #: the format's name, as --dtype and the app's dtype menu spell it
@@ -59,9 +61,10 @@ W8A8_STEPS = 63
 W8A8_ZERO_POINT = 64
 #: the attention implementation registered with transformers for int8 targets
 ROW_WISE_ATTENTION = "specdemo_row_wise"
-#: passes over at most this many new tokens compute every query alone: every verify pass (drafts are at most 64
-#: tokens, plus the last token) and Medusa tree; longer ones (prefills) use the stock kernel
-ROW_WISE_MAX_QUERIES = 65
+#: passes over at most this many new tokens compute every query alone: every verify pass (the longest draft,
+#: :data:`~specdemo.core.settings.MAX_NUM_DRAFT_TOKENS`, plus the last token) and Medusa tree; longer ones
+#: (prefills) use the stock kernel
+ROW_WISE_MAX_QUERIES = MAX_NUM_DRAFT_TOKENS + 1
 #: a query's keys are padded (masked) to a multiple of this many, in one-token passes and verify passes alike, so
 #: that the queries of a verify pass fall into at most two calls
 KEY_BUCKET = 64

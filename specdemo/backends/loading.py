@@ -24,6 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from . import formats, offline
 from .memory import return_free_memory
 
+from ..core.errors import first_line
+
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[float, str], None]
@@ -87,7 +89,7 @@ class LoadedModel:
             ids.append(configured)
         elif configured is not None:
             ids.extend(int(i) for i in configured)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.append(int(self.tokenizer.eos_token_id))
         return list(dict.fromkeys(ids))
 
@@ -364,11 +366,6 @@ def _error_chain(err: BaseException) -> list[BaseException]:
     return chain
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def _hub_error(source: str, err: BaseException, offline_mode: bool) -> ModelLoadError:
     names = {type(e).__name__ for e in _error_chain(err)}
     if {"GatedRepoError"} & names:
@@ -392,7 +389,7 @@ def _hub_error(source: str, err: BaseException, offline_mode: bool) -> ModelLoad
             f"cannot load '{source}': not a local path and the Hugging Face Hub is unreachable (offline); "
             f"use an offline:... model or a local folder"
         )
-    return ModelLoadError(f"cannot load '{source}': {_first_line(err)}")
+    return ModelLoadError(f"cannot load '{source}': {first_line(err)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,7 +443,7 @@ def _load_uncached(
         raise
     except (OSError, ValueError, KeyError, ImportError, RuntimeError) as err:
         if is_local:
-            raise ModelLoadError(f"cannot load '{source}': {_first_line(err)}") from err
+            raise ModelLoadError(f"cannot load '{source}': {first_line(err)}") from err
         raise _hub_error(source, err, offline_mode) from err
 
     if "device_map" not in model_kwargs:

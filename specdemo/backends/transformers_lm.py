@@ -1,79 +1,23 @@
-"""A causal LM seen as "ids in, logits out", with a KV cache that rolls back.
-
-The engine only talks to :class:`CachedLM`, so the algorithm can be tested on anything with the same methods.
-"""
+"""The transformers implementation of :class:`specdemo.core.protocol.LanguageModel`: a Hugging Face causal LM
+with one sequence's KV cache, which rolls back and keeps the accepted path of a token tree."""
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from ..core.protocol import TargetPass
+from ..core.tree import is_chain, tree_attention_mask, tree_depths
+
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class TargetPass:
-    """What one target forward pass gives: logits [n, V] and the final (post-norm) hidden states [n, H]."""
-
-    logits: torch.Tensor
-    hidden_states: torch.Tensor | None = None
-
-
-class CausalLM(Protocol):
-    """What the engine needs from a target model."""
-
-    length: int
-
-    def reset(self) -> None: ...
-
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        all_logits: bool = True,
-        parents: Sequence[int] | None = None,
-        with_hidden: bool = True,
-    ) -> TargetPass: ...
-
-    def keep(self, num_new: int, rows: Sequence[int]) -> None: ...
-
-
-def tree_depths(parents: Sequence[int]) -> list[int]:
-    """Depth of each node of a tree given in topological order (``parents[i] < i``; -1 = a root, depth 0)."""
-    depths: list[int] = []
-    for index, parent in enumerate(parents):
-        if not -1 <= parent < index:
-            raise ValueError(f"node {index} has parent {parent}: parents must come before their children")
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    return depths
-
-
-def is_chain(parents: Sequence[int] | None) -> bool:
-    return parents is None or all(parent == index - 1 for index, parent in enumerate(parents))
-
-
-def tree_attention_mask(
-    parents: Sequence[int], cached: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A 4D additive mask (1, 1, n, cached + n): each new token sees the cached prefix, its ancestors and itself."""
-    count = len(parents)
-    visible = torch.zeros(count, cached + count, dtype=torch.bool)
-    visible[:, :cached] = True
-    for index, parent in enumerate(parents):
-        if parent >= 0:
-            visible[index, cached : cached + count] = visible[parent, cached : cached + count]
-        visible[index, cached + index] = True
-    mask = torch.zeros(count, cached + count, dtype=dtype)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask.view(1, 1, count, cached + count).to(device)
-
-
 class CachedLM:
-    """Wraps a Hugging Face causal LM and one sequence's KV cache (batch size 1).
+    """Wraps a Hugging Face causal LM and one sequence's KV cache (batch size 1): a
+    :class:`~specdemo.core.protocol.LanguageModel`.
 
     ``forward(ids)`` appends ``ids`` (1-D) to the cached sequence and returns logits [n, V] (or [1, V] for the
     last position only); ``rollback(n)`` forgets the last n cached positions (``cache.crop(-n)``), so rejected
@@ -181,12 +125,3 @@ class CachedLM:
             raise ValueError(f"cannot roll back {num_tokens} tokens from a cache of {self.length}")
         self.cache.crop(-num_tokens)
         self.length -= num_tokens
-
-
-def now(device: torch.device) -> float:
-    """Wall clock for timing device work; on CUDA waits for queued kernels first."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-    return time.perf_counter()

@@ -1,4 +1,4 @@
-"""Sampling settings, logit warping and the acceptance rules of speculative decoding.
+"""Logit warping and the acceptance rules of speculative decoding.
 
 The same :func:`target_distribution` is used by the plain baseline and by verification, so sampled speculative
 output follows exactly the distribution the target alone would sample from.
@@ -11,29 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .settings import SamplingSettings
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """How the next token is chosen. ``temperature == 0`` means greedy (argmax)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    def validate(self) -> None:
-        if not (self.temperature >= 0.0) or self.temperature > 100.0:
-            raise ValueError(f"temperature must be between 0 and 100, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 def warp_logits(logits: torch.Tensor, sampling: SamplingSettings) -> torch.Tensor:

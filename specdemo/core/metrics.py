@@ -8,9 +8,10 @@ Definitions (README, "Reading the figures"):
   same among rounds where every earlier position was accepted (so position j was actually checked);
 - mean accepted length = tokens produced per verification pass, bonus/corrected token included (vLLM's
   definition), so plain decoding has 1.0;
-- expected tokens per pass E(k) = 1 + sum over j <= k of the product of the conditional acceptances up to j.
-  With one alpha for every position this is Leviathan et al.'s (1 - alpha^(k+1)) / (1 - alpha); per position it
-  also fits drafters whose tokens stand or fall together (n-gram copies);
+- expected tokens per pass E(k) = 1 + sum over j <= k of the product of the conditional acceptances up to j
+  (:func:`specdemo.core.economics.expected_tokens`). With one alpha for every position this is Leviathan et al.'s
+  (1 - alpha^(k+1)) / (1 - alpha); per position it also fits drafters whose tokens stand or fall together (n-gram
+  copies);
 - expected decode speedup = E / (gamma * c + 1) (Leviathan et al.), E averaged over the run's rounds (each with its
   own draft length k), gamma the mean draft length, c the draft cost per token relative to one plain decoding step
   measured in the same run, and a verify pass counted as one plain step (the method's premise; the measured
@@ -30,10 +31,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from ..methods.draft_length import expected_tokens
+from .economics import expected_tokens, expected_tokens_per_pass
 
 if TYPE_CHECKING:
-    from .loop import Counters
+    from .events import Counters
 
 
 @dataclass(frozen=True)
@@ -99,18 +100,6 @@ def run_metrics(counters: Counters) -> RunMetrics:
     )
 
 
-def expected_tokens_per_pass(alpha: float, gamma: float) -> float:
-    """E = (1 - alpha^(gamma+1)) / (1 - alpha): expected tokens per verification with gamma drafts."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1.0 - alpha ** (gamma + 1.0)) / (1.0 - alpha)
-
-
-def expected_speedup(alpha: float, gamma: float, draft_cost: float, verify_cost: float = 1.0) -> float:
-    """Leviathan et al.'s expected walltime improvement, E / (gamma * c + v)."""
-    return expected_tokens_per_pass(alpha, gamma) / (gamma * draft_cost + verify_cost)
-
-
 @dataclass(frozen=True)
 class Comparison:
     """A speculative run against the plain run of the same prompt and settings, measured together."""
@@ -154,10 +143,10 @@ def compare(spec: RunMetrics, plain: RunMetrics) -> Comparison:
     verify_cost = (spec.verify_seconds / spec.rounds) / plain_step
     draft_cost = (spec.draft_seconds / spec.drafted) / plain_step if spec.drafted else 0.0
     gamma = spec.mean_draft_length or 0.0
-    alpha = spec.alpha if spec.alpha is not None else 0.0
     round_cost = gamma * draft_cost + 1.0
     tokens_per_round = spec.expected_tokens_per_round or 1.0
-    tokens_per_round_iid = spec.expected_tokens_per_round_iid or expected_tokens_per_pass(alpha, gamma)
+    # None only when nothing was drafted: E(alpha, 0) = 1
+    tokens_per_round_iid = spec.expected_tokens_per_round_iid or 1.0
     expected_decode = tokens_per_round / round_cost
     expected_decode_iid = tokens_per_round_iid / round_cost
     # end to end: the first token comes from the prompt pass on both sides, the rest from decoding

@@ -1,0 +1,132 @@
+"""The drafting methods, one file each, and the one registry of speculative modes.
+
+Every front end (the app, ``/race``, the bench, the recorder, the replay) and the session ask this registry what a
+mode is (:class:`~specdemo.methods.base.Method`): adding a method is one new file here that declares its
+``METHOD`` (or ``METHODS``) plus a line in :data:`_MODULES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from ..core.errors import InputError
+from ..core.settings import MAX_NUM_DRAFT_TOKENS
+from . import draft_model, medusa, ngram, uag
+from .base import BuildContext, Method, PolicyContext
+from ..core.protocol import DraftLengthPolicy, Drafter
+from .draft_length import make_policy
+
+if TYPE_CHECKING:
+    from ..backends.loading import LoadedModel
+    from ..core.economics import CostCurve
+    from ..core.settings import GenerationSettings
+
+#: the method files, in the order the modes are offered
+_MODULES = (draft_model, ngram, uag, medusa)
+
+
+def _collect() -> dict[str, Method]:
+    methods: dict[str, Method] = {}
+    for module in _MODULES:
+        for method in getattr(module, "METHODS", None) or (module.METHOD,):
+            if method.name in methods or method.name == "plain":
+                raise RuntimeError(f"two methods are called {method.name!r}")
+            methods[method.name] = method
+    return methods
+
+
+#: every speculative mode by name; "plain" (the baseline every mode is compared with) is none of them
+METHODS: dict[str, Method] = _collect()
+
+
+def get_method(name: str) -> Method:
+    """The method called ``name``; InputError naming the known ones otherwise."""
+    try:
+        return METHODS[name]
+    except (KeyError, TypeError):
+        raise InputError(f"unknown mode {name!r}; choose one of: {', '.join(METHODS)}", field="mode") from None
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """How the speculative side drafts: the mode, the draft length and every method's options (each method reads
+    the fields its options dataclass names)."""
+
+    mode: str = "draft"
+    num_draft_tokens: int | str = "adaptive"  # k, "adaptive" (cost-aware) or "heuristic" (+2/-1)
+    max_num_draft_tokens: int = 12  # the most an adaptive policy drafts in one round
+    draft_head_tokens: int | None = None  # draft LM head restricted to this many frequent ids; None = auto, 0 = full
+    confidence_stop: float = 0.0
+    draft_int8: bool | None = None  # int8 draft copy; None = the method decides (see Method.draft_int8)
+    ngram_min: int = 1
+    ngram_max: int = 4
+    ngram_prefer: str = "follow"  # which earlier occurrence an n-gram draft copies: "follow", "recent" or "first"
+    medusa_heads: str | None = None  # folder of Medusa heads; None = the heads shipped for the target
+
+    @property
+    def method(self) -> Method:
+        return get_method(self.mode)
+
+    def options(self, method: Method | None = None) -> Any:
+        """The options dataclass of ``method`` (default: this mode's), filled from these settings."""
+        method = method or self.method
+        if method.options is None:
+            return None
+        return method.options(**{f.name: getattr(self, f.name) for f in fields(method.options)})
+
+    def validate(self) -> None:
+        get_method(self.mode)
+        make_policy(self.num_draft_tokens, self.max_num_draft_tokens)
+        if not 1 <= self.max_num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
+            raise InputError(
+                f"the longest draft must be between 1 and {MAX_NUM_DRAFT_TOKENS} tokens, got "
+                f"{self.max_num_draft_tokens}",
+                field="num_draft_tokens",
+            )
+        for method in METHODS.values():  # every knob is checked, whichever mode runs
+            options = self.options(method)
+            if options is not None:
+                options.validate()
+
+    def draft_runs_int8(self, target: "LoadedModel", draft: "LoadedModel | None") -> bool | None:
+        """Whether this mode's draft model runs as an int8 copy (None: the drafter decides)."""
+        method = self.method
+        return method.draft_int8(self.options(), target, draft) if method.draft_int8 is not None else None
+
+
+def check_pair(spec: SpecSettings, target: "LoadedModel", draft: "LoadedModel | None") -> None:
+    """Refuse, in one line and before any decoding, a pair the mode cannot work with."""
+    method = spec.method
+    if method.needs_draft_model and draft is None:
+        raise InputError(f"mode {spec.mode!r} needs a draft model")
+    if method.check is not None:
+        method.check(target, draft, spec.options())
+
+
+def make_spec_policy(
+    spec: SpecSettings, target: "LoadedModel", settings: "GenerationSettings", prior: "CostCurve | None" = None
+) -> DraftLengthPolicy:
+    """The draft-length policy of one speculative run."""
+    method = spec.method
+    if method.make_policy is not None:
+        context = PolicyContext(
+            target, settings, spec.options(), spec.num_draft_tokens, spec.max_num_draft_tokens, prior
+        )
+        return method.make_policy(context)
+    return make_policy(spec.num_draft_tokens, spec.max_num_draft_tokens, free_drafts=method.drafts_for_free,
+                       prior=prior)
+
+
+def make_drafter(
+    spec: SpecSettings,
+    target: "LoadedModel",
+    draft: "LoadedModel | None",
+    settings: "GenerationSettings",
+    policy: DraftLengthPolicy | None = None,
+) -> Drafter:
+    """The drafter of one speculative run (the pair checked first)."""
+    spec.validate()
+    check_pair(spec, target, draft)
+    return spec.method.build(BuildContext(target, draft, settings, spec.options(), policy))
+

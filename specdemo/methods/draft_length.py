@@ -6,17 +6,14 @@ import logging
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Sequence
 
-if TYPE_CHECKING:
-    from ..session.calibration import CostCurve
+from ..core.economics import PAYING_ACCEPTANCE, PAYING_SPEEDUP, CostCurve, can_pay, expected_tokens
+from ..core.protocol import DraftLengthPolicy
+from ..core.settings import MAX_NUM_DRAFT_TOKENS
 
 logger = logging.getLogger(__name__)
 
-#: per-token acceptance of a good drafter, and the gain over plain decoding it must bring, for drafting to count as
-#: able to pay on a cost curve (see :meth:`CostAwareDraftLength.drafting_could_pay`)
-GOOD_ACCEPTANCE = 0.8
-PAYING_MARGIN = 1.1
 #: where drafting can hardly pay, the share of plain-decoding time that probes (with the drafter's catch-up) may cost
 PROBE_BUDGET = 0.015
 #: a round whose drafter came back empty counts as one rejected draft token when the drafter's work took more than
@@ -32,27 +29,22 @@ RECENT_PASSES = 5
 PRIOR = None
 
 
-class DraftLengthPolicy(Protocol):
-    def next_length(self, remaining: int | None = None) -> int:
-        """Tokens to draft this round; ``remaining``: how many more tokens the run may write (None: unknown)."""
-        ...
-
-    def update(
-        self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, catch_up_seconds: float = 0.0
-    ) -> None: ...
-
-
 @dataclass
 class FixedDraftLength:
-    """Always ask for k tokens."""
+    """Always ask for ``num_draft_tokens`` tokens."""
 
-    k: int
+    num_draft_tokens: int
 
     def next_length(self, remaining: int | None = None) -> int:
-        return self.k
+        return self.num_draft_tokens
 
     def update(
-        self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, catch_up_seconds: float = 0.0
+        self,
+        num_draft_tokens: int,
+        num_accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+        catch_up_seconds: float = 0.0,
     ) -> None:
         pass
 
@@ -61,19 +53,27 @@ class FixedDraftLength:
 class HeuristicDraftLength:
     """transformers' heuristic: +2 after a round where every draft token was accepted, -1 otherwise."""
 
-    k: int = 5
-    k_min: int = 1
-    k_max: int = 16
+    num_draft_tokens: int = 5
+    min_num_draft_tokens: int = 1
+    max_num_draft_tokens: int = 16
 
     def next_length(self, remaining: int | None = None) -> int:
-        return self.k
+        return self.num_draft_tokens
 
     def update(
-        self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, catch_up_seconds: float = 0.0
+        self,
+        num_draft_tokens: int,
+        num_accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+        catch_up_seconds: float = 0.0,
     ) -> None:
-        if drafted == 0:
+        if num_draft_tokens == 0:
             return
-        self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(self.k_min, self.k - 1)
+        if num_accepted == num_draft_tokens:
+            self.num_draft_tokens = min(self.max_num_draft_tokens, self.num_draft_tokens + 2)
+        else:
+            self.num_draft_tokens = max(self.min_num_draft_tokens, self.num_draft_tokens - 1)
 
 
 def _low_quantile(recent: Sequence[float]) -> float:
@@ -87,23 +87,6 @@ def _theil_sen(points: list[tuple[int, float]], length: int) -> float:
     slopes = [(t2 - t1) / (n2 - n1) for i, (n1, t1) in enumerate(points) for n2, t2 in points[i + 1 :] if n2 != n1]
     slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
     return statistics.median(t - slope * n for n, t in points) + slope * length
-
-
-def expected_tokens(acceptance_at: Sequence[float], k: int) -> float:
-    """Expected tokens from one verify pass with k drafts: 1 + sum over j <= k of P(the first j drafts accepted).
-
-    ``acceptance_at[j]`` is the probability that draft position j (0-based) is accepted given that every earlier
-    one was; positions past the end of the list reuse its last value. With the same value alpha at every position
-    this is Leviathan et al.'s E = (1 - alpha^(k+1)) / (1 - alpha); per-position values also fit drafters whose
-    tokens stand or fall together (an n-gram copy is usually accepted whole or rejected at its first token).
-    """
-    total, survive = 1.0, 1.0
-    for j in range(k):
-        if not acceptance_at:
-            break
-        survive *= acceptance_at[min(j, len(acceptance_at) - 1)]
-        total += survive
-    return total
 
 
 class CostAwareDraftLength:
@@ -136,8 +119,8 @@ class CostAwareDraftLength:
 
     def __init__(
         self,
-        k_start: int = 4,
-        k_max: int = 12,
+        first_num_draft_tokens: int = 4,
+        max_num_draft_tokens: int = 12,
         decay: float = 0.9,
         probe_every: int = 8,
         measure_plain_step: bool = True,
@@ -145,9 +128,9 @@ class CostAwareDraftLength:
         prior: "CostCurve | None" = None,
         draft_seconds_per_token: float | None = None,
     ) -> None:
-        self.k_start = min(k_start, k_max)
+        self.first_num_draft_tokens = min(first_num_draft_tokens, max_num_draft_tokens)
         self.measure_plain_step = measure_plain_step
-        self.k_max = k_max
+        self.max_num_draft_tokens = max_num_draft_tokens
         self.decay = decay
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
@@ -155,8 +138,8 @@ class CostAwareDraftLength:
         self._probing = False
         self._accepted = 0.0
         self._rejections = 0.0
-        self._tested_at = [0.0] * k_max  # per draft position: (weighted) rounds in which it was checked
-        self._passed_at = [0.0] * k_max  # ... and accepted
+        self._tested_at = [0.0] * max_num_draft_tokens  # per draft position: (weighted) rounds in which it was checked
+        self._passed_at = [0.0] * max_num_draft_tokens  # ... and accepted
         self._draft_time_per_token: float | None = None
         self._verify_time: dict[int, float] = {}  # verify input length -> estimated seconds
         # verify input length -> its latest passes (seconds), or PRIOR for the calibrated cost
@@ -171,10 +154,10 @@ class CostAwareDraftLength:
         self._plain_seconds_since_draft = 0.0
         self._catch_up_per_token: float | None = None  # the drafter's catch-up per plain step it sat out
         self._plain_measured = False  # a plain step timed in this run (TreeBudget times one even with a prior)
-        self.k = self.k_start
+        self.num_draft_tokens = self.first_num_draft_tokens
         if prior is not None:
             for length in prior.lengths:
-                if length <= k_max + 1:
+                if length <= max_num_draft_tokens + 1:
                     self._verify_recent[length] = deque([PRIOR], maxlen=RECENT_PASSES)
             if draft_seconds_per_token is not None:
                 self._draft_recent.append(PRIOR)
@@ -228,19 +211,16 @@ class CostAwareDraftLength:
             return max(1e-9, t0 + (t1 - t0) * (length - n0) / (n1 - n0))
         return max(1e-9, _theil_sen(points, length))
 
-    def drafting_could_pay(self, acceptance: float = GOOD_ACCEPTANCE, margin: float = PAYING_MARGIN) -> bool:
+    def drafting_could_pay(self, acceptance: float = PAYING_ACCEPTANCE, margin: float = PAYING_SPEEDUP) -> bool:
         """Whether drafting at a good acceptance (``acceptance`` per token) would beat plain decoding by ``margin``
         on the costs known so far. Where it would not (a verify pass over k tokens costs nearly k plain steps), a
         probe can hardly win anything back, so probes come only within :data:`PROBE_BUDGET` of the plain time."""
         if self._draft_time_per_token is None or not self._verify_time:
             return True  # nothing known yet
-        plain_rate = 1.0 / self._verify_cost(1)
+        plain, per_draft = self._verify_cost(1), self._draft_time_per_token
         reachable = 2 * max(self._verify_time)
-        for k in range(1, min(self.k_max, reachable) + 1):
-            cost = k * self._draft_time_per_token + self._verify_cost(k + 1)
-            if expected_tokens([acceptance], k) / cost >= margin * plain_rate:
-                return True
-        return False
+        lengths = range(1, min(self.max_num_draft_tokens, reachable) + 1)
+        return can_pay(lambda k: (k * per_draft + self._verify_cost(k + 1)) / plain, lengths, acceptance, margin)
 
     def _probe_fits_budget(self, acceptance: float) -> bool:
         """A one-token probe's expected extra cost (its draft, the drafter's catch-up on the plain steps since its
@@ -257,7 +237,7 @@ class CostAwareDraftLength:
         self._rounds += 1
         if self._rounds == 1 or self._draft_time_per_token is None or not self._verify_time:
             # a first look at acceptance; a single draft token where the prior says drafting can hardly pay
-            return self.k_start if self.drafting_could_pay() else min(1, self.k_start)
+            return self.first_num_draft_tokens if self.drafting_could_pay() else min(1, self.first_num_draft_tokens)
         if self._rounds == 2 and self.measure_plain_step and 1 not in self._verify_time:
             return 0  # measure a plain step once: the reference every other length is compared with
         acceptance_at = self.acceptance_at()
@@ -267,7 +247,7 @@ class CostAwareDraftLength:
         # acceptance estimate costs the drafter a catch-up each time
         drafting_now = self._rounds_since_draft == 0
         best_k, best_rate = 0, (1.0 - SWITCH_MARGIN * drafting_now) / self._verify_cost(1)
-        for k in range(1, min(self.k_max, reachable) + 1):
+        for k in range(1, min(self.max_num_draft_tokens, reachable) + 1):
             cost = k * self._draft_time_per_token + self._verify_cost(k + 1)
             rate = (1.0 - SWITCH_MARGIN * (not drafting_now)) * expected_tokens(acceptance_at, k) / cost
             if rate > best_rate:
@@ -286,37 +266,43 @@ class CostAwareDraftLength:
         )
         if self._probing:
             best_k = 1
-        self.k = best_k
+        self.num_draft_tokens = best_k
         return best_k
 
     def update(
-        self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, catch_up_seconds: float = 0.0
+        self,
+        num_draft_tokens: int,
+        num_accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+        catch_up_seconds: float = 0.0,
     ) -> None:
-        length = drafted + 1
+        length = num_draft_tokens + 1
         self._verify_recent.setdefault(length, deque(maxlen=RECENT_PASSES)).append(verify_seconds)
         if self._prior is not None:
             self._drift_recent.append(verify_seconds / self._calibrated_seconds(length))
-        if drafted == 0 and self.k > 0 and draft_seconds + catch_up_seconds > EMPTY_DRAFT_SHARE * verify_seconds:
+        drafter_worked = draft_seconds + catch_up_seconds > EMPTY_DRAFT_SHARE * verify_seconds
+        if num_draft_tokens == 0 and self.num_draft_tokens > 0 and drafter_worked:
             # the drafter worked (caught up, drafted) and came back empty (a universal drafter's text that maps to no
             # target token): a draft of one token, rejected, or the policy would keep paying for nothing
-            drafted = 1
-        elif drafted == 0:
+            num_draft_tokens = 1
+        elif num_draft_tokens == 0:
             self._plain_measured = True
             self._rounds_since_draft += 1  # a plain step, or a lookup that found nothing and cost nothing
             self._plain_seconds_since_draft += verify_seconds
             self._refresh_estimates()
             return
         self._end_drafting_pause(catch_up_seconds)
-        self._draft_recent.append(draft_seconds / drafted)
+        self._draft_recent.append(draft_seconds / num_draft_tokens)
         self._refresh_estimates()
-        self._accepted = self.decay * self._accepted + accepted
-        self._rejections = self.decay * self._rejections + (1.0 if accepted < drafted else 0.0)
-        for position in range(self.k_max):
+        self._accepted = self.decay * self._accepted + num_accepted
+        self._rejections = self.decay * self._rejections + (1.0 if num_accepted < num_draft_tokens else 0.0)
+        for position in range(self.max_num_draft_tokens):
             self._tested_at[position] *= self.decay
             self._passed_at[position] *= self.decay
-        for position in range(min(drafted, accepted + 1, self.k_max)):
+        for position in range(min(num_draft_tokens, num_accepted + 1, self.max_num_draft_tokens)):
             self._tested_at[position] += 1.0
-            if position < accepted:
+            if position < num_accepted:
                 self._passed_at[position] += 1.0
 
     def _calibrated_seconds(self, length: int) -> float:
@@ -355,9 +341,9 @@ class CostAwareDraftLength:
 
 
 class TreeBudget(CostAwareDraftLength):
-    """A node budget for token trees: always ``k_max`` nodes at most, and the verify cost model of the adaptive
-    policy (measured passes fitted on top of the calibrated curve) for the drafter, which sizes each tree itself
-    from its candidates' probabilities (see :class:`specdemo.methods.medusa.MedusaDrafter`)."""
+    """A node budget for token trees: always ``max_num_draft_tokens`` nodes at most, and the verify cost model of the
+    adaptive policy (measured passes fitted on top of the calibrated curve) for the drafter, which sizes each tree
+    itself from its candidates' probabilities (see :class:`specdemo.methods.medusa.MedusaDrafter`)."""
 
     def next_length(self, remaining: int | None = None) -> int:
         self._rounds += 1
@@ -366,7 +352,7 @@ class TreeBudget(CostAwareDraftLength):
             # passes measured 41 to 69 ms here), and beside a stale plain step freshly measured tree passes look
             # free (measured: 14 rounds of 3-node trees at 3 % acceptance before the drafter gave up)
             return 0
-        return self.k_max
+        return self.max_num_draft_tokens
 
     def verify_cost(self, length: int) -> float:
         """Seconds of a verify pass over ``length`` tokens (a guess of 1 s per pass before any measurement)."""
@@ -376,9 +362,13 @@ class TreeBudget(CostAwareDraftLength):
 
 
 def make_policy(
-    spec: int | str, k_max: int = 12, free_drafts: bool = False, prior: "CostCurve | None" = None
+    num_draft_tokens: int | str,
+    max_num_draft_tokens: int = 12,
+    free_drafts: bool = False,
+    prior: CostCurve | None = None,
 ) -> DraftLengthPolicy:
-    """``spec``: an int k >= 1 (fixed), "adaptive" (cost-aware) or "heuristic" (+2/-1).
+    """``num_draft_tokens``: a whole number from 1 to :data:`~specdemo.core.settings.MAX_NUM_DRAFT_TOKENS` (fixed),
+    "adaptive" (cost-aware, up to ``max_num_draft_tokens``) or "heuristic" (+2/-1, up to the same).
 
     ``free_drafts``: drafting costs next to nothing (n-gram lookup), so the adaptive policy starts at its longest
     draft instead of ramping up to it, and takes its plain-step cost from the rounds with no draft (there are always
@@ -386,23 +376,24 @@ def make_policy(
     more. ``prior``: the machine's cost curve, which the adaptive policy's estimates start from (its draft step only
     for a draft-model drafter; free drafts learn their tiny cost from the first round).
     """
-    if isinstance(spec, str):
-        name = spec.strip().lower()
+    if isinstance(num_draft_tokens, str):
+        name = num_draft_tokens.strip().lower()
         if name == "adaptive":
             draft_seconds = prior.draft_seconds_per_token if prior is not None and not free_drafts else None
             return CostAwareDraftLength(
-                k_start=k_max if free_drafts else 4,
-                k_max=k_max,
+                first_num_draft_tokens=max_num_draft_tokens if free_drafts else 4,
+                max_num_draft_tokens=max_num_draft_tokens,
                 measure_plain_step=not free_drafts,
                 prior=prior,
                 draft_seconds_per_token=draft_seconds,
             )
         if name == "heuristic":
-            return HeuristicDraftLength(k_max=k_max)
-        if name.isdigit():
-            spec = int(name)
-        else:
-            raise ValueError(f"draft length must be a number >= 1, 'adaptive' or 'heuristic', got {spec!r}")
-    if spec < 1 or spec > 64:
-        raise ValueError(f"draft length must be between 1 and 64, got {spec}")
-    return FixedDraftLength(int(spec))
+            return HeuristicDraftLength(max_num_draft_tokens=max_num_draft_tokens)
+        if not name.isdigit():
+            raise ValueError(
+                f"draft length must be a number >= 1, 'adaptive' or 'heuristic', got {num_draft_tokens!r}"
+            )
+        num_draft_tokens = int(name)
+    if num_draft_tokens < 1 or num_draft_tokens > MAX_NUM_DRAFT_TOKENS:
+        raise ValueError(f"draft length must be between 1 and {MAX_NUM_DRAFT_TOKENS}, got {num_draft_tokens}")
+    return FixedDraftLength(int(num_draft_tokens))

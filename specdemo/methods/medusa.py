@@ -13,20 +13,30 @@ On disk (FasterDecoding's layout): a folder with ``config.json`` (``medusa_num_h
 
 from __future__ import annotations
 
-import hashlib
-import heapq
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
+
+import weakref
 
 import torch
 from torch import nn
 
-from .base import Proposal, RoundResult, head_token_ids, to_target_vocab
-from ..backends.transformers_lm import TargetPass, now
-from ..core.acceptance import SamplingSettings, target_distribution
+from ..backends.formats import output_weight
+from ..backends.loading import LoadedModel
+from ..core.errors import InputError
+from ..core.files import file_sha256
+from .base import BuildContext, Method, PolicyContext, drafter_generator, head_token_ids, to_target_vocab
+from ..core.protocol import Proposal, RoundResult
+from ..core.protocol import DraftLengthPolicy
+from .draft_length import TreeBudget, make_policy
+from ..core.protocol import TargetPass
+from ..core.clock import now
+from ..core.tree import build_tree
+from ..core.settings import SamplingSettings
+from ..core.acceptance import target_distribution
 
 logger = logging.getLogger(__name__)
 
@@ -134,14 +144,6 @@ class MedusaHeads(nn.Module):
         config.update(extra or {})
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         return file_sha256(weights)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _read_state(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
@@ -252,41 +254,6 @@ def shipped_heads_for(target_source: str) -> tuple[Path, str] | None:
 # drafting
 
 
-def build_tree(
-    head_probs: torch.Tensor, head_ids: torch.Tensor, budget: int
-) -> tuple[list[int], list[int], list[float]]:
-    """The ``budget`` most likely nodes of the tree of candidate continuations, best first.
-
-    ``head_probs`` / ``head_ids``: [K, w] each head's top-w probabilities and token ids (head k guesses depth k).
-    A node's score is the product of its path's probabilities (heads taken as independent), so every ancestor
-    scores at least as high as its descendants and the ``budget`` best nodes form a tree. Returns (tokens,
-    parents, scores), parents before children; with w = 1 the tree is a chain.
-    """
-    num_heads, width = head_probs.shape
-    probs = head_probs.tolist()
-    ids = head_ids.tolist()
-    tokens: list[int] = []
-    parents: list[int] = []
-    scores: list[float] = []
-    # candidates: (-score, tie-breaker, depth, rank, parent node, parent's score)
-    frontier = [(-probs[0][0], 0, 0, 0, -1, 1.0)]
-    counter = 1
-    while frontier and len(tokens) < budget:
-        negative, _, depth, rank, parent, parent_score = heapq.heappop(frontier)
-        node = len(tokens)
-        tokens.append(int(ids[depth][rank]))
-        parents.append(parent)
-        scores.append(-negative)
-        if rank + 1 < width:  # the next sibling
-            heapq.heappush(frontier, (-parent_score * probs[depth][rank + 1], counter, depth, rank + 1, parent,
-                                      parent_score))
-            counter += 1
-        if depth + 1 < num_heads:  # the first child
-            heapq.heappush(frontier, (negative * probs[depth + 1][0], counter, depth + 1, 0, node, -negative))
-            counter += 1
-    return tokens, parents, scores
-
-
 #: the most rounds a tree drafter sits out (heads not scored) after trees that did not pay, before it looks again
 MAX_REST = 32
 
@@ -305,6 +272,7 @@ class MedusaDrafter:
     """
 
     name = "medusa"
+    needs_hidden_states = True
 
     def __init__(
         self,
@@ -442,3 +410,105 @@ class MedusaDrafter:
         if self.tree and result.num_drafted:
             self._expected = 0.9 * self._expected + self._last_expected
             self._observed = 0.9 * self._observed + result.num_accepted
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the two modes
+
+
+@dataclass(frozen=True)
+class MedusaOptions:
+    """``medusa_heads``: a folder of heads (FasterDecoding's layout); None: the heads shipped for the target."""
+
+    medusa_heads: str | None = None
+
+    def validate(self) -> None:
+        pass
+
+
+#: Medusa heads loaded per target model (freed with it), by source folder
+_HEADS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, MedusaHeads]]" = weakref.WeakKeyDictionary()
+
+
+def heads_for(target: LoadedModel, source: str | None = None) -> MedusaHeads:
+    """The Medusa heads for ``target`` in its format and on its device: from ``source`` (a folder), or the heads
+    shipped for an offline target (sha256-checked); InputError with one line when there are none or they misfit."""
+    expected_sha256 = None
+    if source is None:
+        shipped = shipped_heads_for(target.source)
+        if shipped is None:
+            raise InputError(
+                f"no Medusa heads ship for {target.source}: name a heads folder (--medusa-heads PATH), or use "
+                "offline:qwen2.5-coder-1.5b",
+                field="medusa_heads",
+            )
+        folder, expected_sha256 = shipped
+        source = str(folder)
+    per_model = _HEADS.setdefault(target.model, {})
+    if source in per_model:
+        return per_model[source]
+    head = target.model.get_output_embeddings()
+    try:
+        heads = load_heads(source, head.in_features, head.out_features, expected_sha256)
+    except MedusaLoadError as error:
+        raise InputError(str(error), field="medusa_heads") from None
+    heads = heads.to(device=target.device, dtype=target.dtype)
+    per_model[source] = heads
+    return heads
+
+
+def _check(target: LoadedModel, draft: LoadedModel | None, options: Any) -> None:
+    heads_for(target, options.medusa_heads)  # none shipped for this target, or misfit: one line, before any pass
+
+
+def _build(context: BuildContext, tree: bool) -> MedusaDrafter:
+    target, settings = context.target, context.settings
+    weight = output_weight(target.model)
+    tree = tree and settings.sampling.greedy  # sampling is exact on a chain only
+    policy = context.policy
+    return MedusaDrafter(
+        heads_for(target, context.options.medusa_heads),
+        weight,
+        settings.sampling,
+        target_vocab_size=weight.shape[0],
+        eos_token_ids=target.eos_token_ids,
+        tree=tree,
+        generator=drafter_generator(settings.sampling.seed, target.device),
+        verify_cost=policy.verify_cost if tree and isinstance(policy, TreeBudget) else None,
+    )
+
+
+def _policy(context: PolicyContext, tree: bool) -> DraftLengthPolicy:
+    if tree and context.settings.sampling.greedy and context.num_draft_tokens == "adaptive":
+        return TreeBudget(max_num_draft_tokens=context.max_num_draft_tokens, prior=context.prior)
+    # a chain is at most one token per head; drafting it costs next to nothing
+    heads = heads_for(context.target, context.options.medusa_heads)
+    return make_policy(
+        context.num_draft_tokens, min(context.max_num_draft_tokens, heads.config.num_heads), free_drafts=True,
+        prior=context.prior,
+    )
+
+
+METHODS = (
+    Method(
+        name="medusa",
+        label="Medusa heads on the target, a tree of candidates (no draft model)",
+        build=lambda context: _build(context, tree=True),
+        options=MedusaOptions,
+        drafts_for_free=True,
+        proposes_trees=True,
+        needs_hidden_states=True,
+        check=_check,
+        make_policy=lambda context: _policy(context, tree=True),
+    ),
+    Method(
+        name="medusa-chain",
+        label="Medusa heads on the target, each head's top token (no draft model)",
+        build=lambda context: _build(context, tree=False),
+        options=MedusaOptions,
+        drafts_for_free=True,
+        needs_hidden_states=True,
+        check=_check,
+        make_policy=lambda context: _policy(context, tree=False),
+    ),
+)

@@ -15,9 +15,9 @@ import logging
 from typing import Any
 
 from ..session.racelog import SIDES, RaceLog
+from ..session.state import RaceState
 from .views import (
     CSS,
-    RaceState,
     figures_html,
     identical_html,
     legend_html,
@@ -25,6 +25,7 @@ from .views import (
     pane_titles,
     race_details,
     race_title,
+    render_tokens,
     speedup_html,
 )
 
@@ -198,7 +199,7 @@ def replay_data(log: RaceLog) -> dict[str, Any]:
     order of their own clocks) holding the round's new token spans and the views that changed, then the final
     views at the end of the race."""
     titles = dict(zip(SIDES, pane_titles(log.settings)))
-    state = RaceState(None, settings=log.settings)
+    state = RaceState(log.settings)
     panes = {"plain": state.plain, "spec": state.spec}
 
     def head(side: str, running: bool) -> str:
@@ -210,9 +211,9 @@ def replay_data(log: RaceLog) -> dict[str, Any]:
     shown = dict(start)
     for event in log.timeline():
         pane = panes[event.side]
-        before = len(pane.spans)
+        before = len(pane.shown)
         pane.add(event)
-        entry: dict[str, Any] = {"t": event.counters.seconds, event.side: "".join(pane.spans[before:])}
+        entry: dict[str, Any] = {"t": event.counters.seconds, event.side: render_tokens(pane.shown[before:])}
         views = {
             f"{event.side}_stats": head(event.side, running=True),
             "speedup": speedup_html(state),

@@ -21,9 +21,10 @@ from typing import Callable, Iterator
 
 from PIL import Image, ImageDraw, ImageFont
 
-from ..core.loop import REJECTED, TokenEvent
+from ..core.events import REJECTED, TokenEvent
 from ..session.racelog import SIDES, RaceLog
-from .views import KIND_COLOURS, RaceState, identical_html, live_speedup, pane_titles, race_details, race_title
+from ..session.state import RaceState
+from .views import KIND_COLOURS, identical_html, live_speedup, pane_titles, race_details, race_title
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class _Frames:
         self.canvases = {side: _TokenCanvas(columns, rows, cell, token_font) for side in SIDES}
         self.box_height = rows * cell[1] + 2 * padding
         self.titles = dict(zip(SIDES, pane_titles(log.settings)))
-        self.state = RaceState(None, settings=log.settings)
+        self.state = RaceState(log.settings)
         self.timeline = log.timeline()
         self.next = 0
         self.ends = {side: (log.rounds(side)[-1].clock if log.rounds(side) else 0.0) for side in SIDES}

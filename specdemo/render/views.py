@@ -1,26 +1,20 @@
-"""What the app, the HTML replay and the video draw, without Gradio: race state, token spans, figures, CSS.
+"""What the app, the HTML replay and the video draw, without Gradio: token spans, figures, titles, CSS.
 
-- :class:`PaneState` and :class:`RaceState`: the race as shown, built round by round from
-  :class:`~specdemo.core.loop.RoundEvent` objects (live in the app, or rebuilt from a :class:`~specdemo.session.racelog.RaceLog`);
-- HTML views: :func:`render_token` (a token span coloured by kind, probabilities in its hover title),
-  :func:`legend_html`, :func:`pane_stats_html`, :func:`speedup_html`, :func:`figures_html`, :func:`identical_html`
-  and :data:`CSS`, the stylesheet they need (its token colours are :data:`KIND_COLOURS`, which the video uses too);
+- HTML views of a :class:`~specdemo.session.state.RaceState`: :func:`render_token` (a token span coloured by kind,
+  probabilities in its hover title), :func:`pane_html`, :func:`legend_html`, :func:`pane_stats_html`,
+  :func:`speedup_html`, :func:`figures_html`, :func:`identical_html` and :data:`CSS`, the stylesheet they need (its
+  token colours are :data:`KIND_COLOURS`, which the video uses too);
 - text: :func:`pane_titles`, and :func:`race_title` / :func:`race_details`, the lines that name a race.
 """
 
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Iterable
 
-from ..core.loop import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, RoundEvent, TokenEvent
-from ..core.metrics import Comparison, RunMetrics, compare, run_metrics
-from ..session.pipeline import SPEC_MODES
-from ..session.racelog import LoggedRound, RaceLog, RaceSettings
-
-if TYPE_CHECKING:
-    from ..app.ui import Prepared
+from ..core.events import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, TokenEvent
+from ..session.racelog import RaceSettings
+from ..session.state import PaneState, RaceState
 
 KIND_LABELS = {
     ACCEPTED: "accepted draft token",
@@ -39,120 +33,6 @@ KIND_COLOURS = {
 }
 #: margin (top-1 minus top-2 logit) below which a divergence counts as a low-precision near-tie
 NEAR_TIE_MARGIN = 0.5
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# race state
-
-
-@dataclass
-class PaneState:
-    """One side of the race as shown: rendered token spans, tokens, counters and the tokens-over-time curve."""
-
-    side: str
-    spans: list[str] = field(default_factory=list)
-    tokens: list[TokenEvent] = field(default_factory=list)
-    rejected: list[TokenEvent] = field(default_factory=list)
-    counters: Counters = field(default_factory=Counters)
-    points: list[tuple[float, int]] = field(default_factory=lambda: [(0.0, 0)])
-    finished: bool = False
-    finish_reason: str | None = None
-    text: str = ""
-    ids: list[int] = field(default_factory=list)
-    rounds: list[LoggedRound] = field(default_factory=list)  # what the race log records
-
-    def add(self, event: RoundEvent) -> None:
-        shown = event.tokens
-        accepted = [t for t in shown if t.kind == ACCEPTED]
-        rest = [t for t in shown if t.kind != ACCEPTED]
-        # the rejected drafts sat where the target's correction now stands: accepted, rejected (struck), correction
-        for token in accepted:
-            self.spans.append(render_token(token))
-        for token in event.rejected:
-            self.spans.append(render_token(token))
-        for token in rest:
-            self.spans.append(render_token(token))
-        self.tokens.extend(shown)
-        self.rounds.append(LoggedRound.from_event(event))
-        self.rejected.extend(event.rejected)
-        self.counters = event.counters
-        self.points.append((event.counters.seconds, event.counters.new_tokens))
-        if event.finished:
-            self.finished = True
-            self.finish_reason = event.finish_reason
-            self.text = event.text
-            self.ids = list(event.new_token_ids)
-
-    def html(self) -> str:
-        return "".join(self.spans)
-
-    def output_ids(self) -> list[int]:
-        """The ids written so far (the whole output once finished)."""
-        return list(self.ids) if self.finished else [t.id for t in self.tokens]
-
-    def metrics(self) -> RunMetrics:
-        return run_metrics(self.counters)
-
-
-@dataclass
-class RaceState:
-    """Both panes, and the run's figures once both sides have finished."""
-
-    prepared: Prepared | None
-    plain: PaneState = field(default_factory=lambda: PaneState("plain"))
-    spec: PaneState = field(default_factory=lambda: PaneState("spec"))
-    done: bool = False
-    divergence: int | None = None
-    margin: float | None = None
-    stop_reason: str | None = None  # set when the race ended before both sides finished (e.g. the time budget)
-    settings: RaceSettings | None = None  # what was raced (from ``prepared`` unless given)
-
-    def __post_init__(self) -> None:
-        if self.settings is None and self.prepared is not None:
-            self.settings = RaceSettings.from_prepared(self.prepared)
-
-    @property
-    def comparison(self) -> Comparison | None:
-        if not self.plain.counters.new_tokens or not self.spec.counters.new_tokens:
-            return None
-        return compare(self.spec.metrics(), self.plain.metrics())
-
-    @property
-    def identical(self) -> bool | None:
-        return self.divergence is None if self.done else None
-
-    @property
-    def greedy(self) -> bool:
-        return self.settings is None or self.settings.greedy
-
-    def log(self) -> RaceLog:
-        """The race so far as a :class:`RaceLog` (the recordings' source, and the ``/race`` API's ``"log"``)."""
-        if self.settings is None:
-            raise ValueError("a race state without settings cannot be logged")
-        return RaceLog(
-            self.settings,
-            list(self.plain.rounds),
-            list(self.spec.rounds),
-            self.done,
-            self.divergence,
-            self.margin,
-            self.stop_reason,
-        )
-
-    @classmethod
-    def from_log(cls, log: RaceLog) -> RaceState:
-        """The final state of a logged race, rebuilt round by round as the app built it."""
-        state = cls(None, settings=log.settings)
-        for pane in (state.plain, state.spec):
-            for event in log.events(pane.side):
-                pane.add(event)
-        state.conclude(log)
-        return state
-
-    def conclude(self, log: RaceLog) -> None:
-        """Take the logged race's outcome (once its rounds are in): done, where the outputs part, why it stopped."""
-        self.done, self.divergence, self.margin = log.done, log.divergence, log.margin
-        self.stop_reason = log.stop_reason
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -180,6 +60,17 @@ def render_token(token: TokenEvent) -> str:
         f'<span class="tok tok-{kind}" title="{html.escape(token_title(token), quote=True)}">'
         f"{html.escape(token.text, quote=True)}</span>"
     )
+
+
+def render_tokens(tokens: Iterable[TokenEvent]) -> str:
+    """Tokens as consecutive coloured spans."""
+    return "".join(render_token(token) for token in tokens)
+
+
+def pane_html(pane: PaneState) -> str:
+    """A pane's tokens as shown: accepted drafts, rejected drafts (struck through, hidden unless asked for), the
+    target's own tokens."""
+    return render_tokens(pane.shown)
 
 
 def legend_html() -> str:
@@ -340,7 +231,7 @@ def pane_titles(settings: RaceSettings | None) -> tuple[tuple[str, str], tuple[s
             "Speculative decoding",
             "drafts proposed, verified by the target in one pass",
         )
-    helper = f"draft {settings.draft}" if settings.draft else SPEC_MODES.get(settings.mode, "")
+    helper = f"draft {settings.draft}" if settings.draft else settings.method_label
     return (
         ("Plain decoding", f"target {settings.target}, one pass per token"),
         (f"Speculative decoding ({settings.mode})", f"target {settings.target} + {helper}"),
@@ -348,7 +239,7 @@ def pane_titles(settings: RaceSettings | None) -> tuple[tuple[str, str], tuple[s
 
 def race_title(settings: RaceSettings) -> str:
     """One line naming the race: the pair (or the target and its helper), the mode and the hardware."""
-    helper = settings.draft or SPEC_MODES.get(settings.mode, settings.mode)
+    helper = settings.draft or settings.method_label or settings.mode
     pair = f"{settings.pair}: " if settings.pair else ""
     return f"{pair}{settings.target} + {helper} · {settings.mode} mode · {settings.hardware}"
 
@@ -358,7 +249,7 @@ def race_details(settings: RaceSettings) -> str:
     sampling = "greedy" if settings.greedy else f"temperature {settings.temperature:g}, top-p {settings.top_p:g}"
     seed = f", seed {settings.seed}" if settings.seed is not None and not settings.greedy else ""
     return (
-        f"{settings.max_new_tokens} new tokens max · draft tokens {settings.draft_tokens} · {sampling}{seed} · "
+        f"{settings.max_new_tokens} new tokens max · draft tokens {settings.num_draft_tokens} · {sampling}{seed} · "
         f"{settings.dtype} on {settings.device} · prompt {settings.prompt_tokens} tokens"
     )
 

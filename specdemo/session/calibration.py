@@ -7,7 +7,7 @@ about three one-token passes. :func:`calibrate` measures, for a loaded target, o
 tokens after a cached prefix (and the draft's cost per token), in about 15 s at most, and caches the curve on disk
 per machine, model and format, so later starts reuse it.
 
-From a curve, :meth:`CostCurve.break_even_acceptance` gives, per draft length, the acceptance rate a drafter needs
+From a curve, :meth:`~specdemo.core.economics.CostCurve.break_even_acceptance` gives, per draft length, the acceptance rate a drafter needs
 for a round to beat plain decoding; draft lengths that cannot pay even with every draft accepted get None.
 """
 
@@ -17,20 +17,26 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ..methods.draft_length import expected_tokens
+from ..core.economics import (
+    CALIBRATION_VERSION,
+    CostCurve,
+    Hardware,
+    speculation_can_pay,
+    speculative_seconds_per_token,
+)
 from ..backends.formats import output_rows
-from ..backends.transformers_lm import CachedLM, now
+from ..backends.transformers_lm import CachedLM
+from ..core.clock import now
 from ..backends.loading import (
     LoadedModel,
     LoadSettings,
@@ -43,45 +49,14 @@ from ..backends.loading import (
 )
 from ..backends.offline import cache_home
 
+from ..core.files import write_json_atomic
+
 logger = logging.getLogger(__name__)
 
 #: new tokens per measured pass
 PASS_LENGTHS = (1, 2, 4, 8, 16)
 #: CPU instruction sets that decide what a bfloat16 or int8 pass costs
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
-#: bump when the measurement (or what it measures: a format's kernels) changes, so old cached curves are measured
-#: again; 2: the int8 format's attention shares calls between the queries of a pass
-CALIBRATION_VERSION = 2
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """The machine a curve was measured on: the CPU's model and relevant instruction sets, or the GPU's name."""
-
-    device: str
-    name: str
-    flags: tuple[str, ...] = ()
-    threads: int = 1
-    torch: str = ""
-    #: the instruction set torch's own kernels dispatch to (``ATEN_CPU_CAPABILITY`` can lower it), and oneDNN's
-    #: limit when ``ONEDNN_MAX_CPU_ISA`` sets one: how a machine of another class is imitated on this one
-    kernels: str = ""
-
-    @property
-    def native_bfloat16(self) -> bool | None:
-        """Whether bfloat16 arithmetic is native here (a GPU, or a CPU with AVX512-BF16 or AMX); None: unknown."""
-        if self.device != "cpu":
-            return True
-        if not self.flags:
-            return None
-        return bool({"avx512_bf16", "amx_bf16"} & set(self.flags))
-
-    def describe(self) -> str:
-        if self.device != "cpu":
-            return f"{self.name} ({self.device})"
-        flags = ", ".join(self.flags) if self.flags else "instruction sets unknown"
-        kernels = f"; kernels {self.kernels}" if self.kernels else ""
-        return f"{self.name}, {self.threads} threads ({flags}{kernels})"
 
 
 @functools.lru_cache(maxsize=1)
@@ -125,110 +100,6 @@ def _kernel_isa() -> str:
     return isa
 
 
-@dataclass
-class CostCurve:
-    """Seconds of one target pass over k new tokens after ``prefix_tokens`` cached ones (medians)."""
-
-    hardware: Hardware
-    target: str
-    dtype: str
-    prefix_tokens: int
-    lengths: list[int]
-    seconds: list[float]
-    #: seconds of one draft-model step (one token) as the drafter runs it; None: no draft model measured
-    draft_seconds_per_token: float | None = None
-    draft: str | None = None
-    measured_seconds: float = 0.0  # how long the calibration took
-    measured_at: str = ""
-    version: int = CALIBRATION_VERSION
-    from_cache: bool = field(default=False, compare=False)
-
-    def cost(self, num_tokens: float) -> float:
-        """A pass over ``num_tokens`` new tokens in one-token passes (log-log interpolation between the measured
-        lengths, linear extrapolation past the longest)."""
-        base = self.seconds[0]
-        if num_tokens <= self.lengths[0]:
-            return 1.0
-        for (k0, s0), (k1, s1) in zip(zip(self.lengths, self.seconds), zip(self.lengths[1:], self.seconds[1:])):
-            if num_tokens <= k1:
-                share = (math.log(num_tokens) - math.log(k0)) / (math.log(k1) - math.log(k0))
-                return math.exp(math.log(s0) + share * (math.log(s1) - math.log(s0))) / base
-        k_last, s_last = self.lengths[-1], self.seconds[-1]
-        return s_last * num_tokens / k_last / base
-
-    @property
-    def relative(self) -> list[float]:
-        """Each measured pass in one-token passes (1.0 first)."""
-        return [s / self.seconds[0] for s in self.seconds]
-
-    @property
-    def draft_cost(self) -> float:
-        """One draft step in one-token target passes (0 for a drafter that costs nothing, like n-gram lookup)."""
-        if self.draft_seconds_per_token is None:
-            return 0.0
-        return self.draft_seconds_per_token / self.seconds[0]
-
-    def round_cost(self, draft_length: int, draft_cost: float | None = None) -> float:
-        """A round of ``draft_length`` drafts, in one-token passes: the drafting plus the verify pass over the last
-        token and the drafts."""
-        per_draft = self.draft_cost if draft_cost is None else draft_cost
-        return draft_length * per_draft + self.cost(draft_length + 1)
-
-    def break_even_acceptance(self, draft_length: int, draft_cost: float | None = None) -> float | None:
-        """The acceptance rate α at which a round of ``draft_length`` drafts writes tokens as fast as plain
-        decoding (expected tokens per round (1 − α^(k+1)) / (1 − α) equal to the round's cost); None when no α
-        can pay, that is when even k + 1 tokens per round do not cover the cost."""
-        cost = self.round_cost(draft_length, draft_cost)
-        if cost <= 1.0 + 1e-9:  # a round costs no more than a plain step: any acceptance pays
-            return 0.0
-        if draft_length + 1 <= cost:
-            return None
-        low, high = 0.0, 1.0
-        for _ in range(60):
-            alpha = (low + high) / 2
-            expected = (1 - alpha ** (draft_length + 1)) / (1 - alpha)
-            low, high = (alpha, high) if expected < cost else (low, alpha)
-        return (low + high) / 2
-
-    def as_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["hardware"]["flags"] = list(self.hardware.flags)
-        data.pop("from_cache")
-        data["relative"] = self.relative
-        data["draft_cost"] = self.draft_cost
-        data["break_even_acceptance"] = {
-            str(k): self.break_even_acceptance(k) for k in range(1, self.lengths[-1] + 1)
-        }
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "CostCurve":
-        hardware = dict(data["hardware"])
-        hardware["flags"] = tuple(hardware.get("flags", ()))
-        names = {f for f in cls.__dataclass_fields__ if f not in ("hardware", "from_cache")}
-        return cls(hardware=Hardware(**hardware), **{k: v for k, v in data.items() if k in names})
-
-    def summary(self) -> str:
-        """One line per fact, for the bench header and logs."""
-        passes = ", ".join(f"k={k}: {r:.2f}" for k, r in zip(self.lengths, self.relative))
-        paying = [k for k in range(1, self.lengths[-1] + 1) if self.break_even_acceptance(k) is not None]
-        lines = [
-            f"machine: {self.hardware.describe()}",
-            f"target pass ({self.target}, {self.dtype}): {self.seconds[0] * 1000:.0f} ms for one token; "
-            f"a pass over k tokens costs, in one-token passes: {passes}",
-        ]
-        if self.draft_seconds_per_token is not None:
-            lines.append(f"draft step ({self.draft}): {self.draft_seconds_per_token * 1000:.1f} ms "
-                         f"= {self.draft_cost:.2f} target passes")
-        if paying:
-            where = f"k = 1..{max(paying)}" if paying == list(range(1, max(paying) + 1)) else f"k in {paying}"
-            needed = ", ".join(f"k={k}: {self.break_even_acceptance(k):.0%}" for k in (1, 2, 4, 8) if k in paying)
-            lines.append(f"speculation can pay for {where}; acceptance needed to break even: {needed}")
-        else:
-            lines.append("speculation cannot pay here with this draft: a verify pass costs more than it can write")
-        return "\n".join(lines)
-
-
 def _median_pass_seconds(
     lm: CachedLM, vocab_size: int, lengths: Sequence[int], repeats: int, budget_seconds: float,
     generator: torch.Generator,
@@ -268,9 +139,10 @@ def _draft_step_seconds(
     """Median seconds per drafted token. A draft sharing the target's tokenizer is timed through the draft-model
     drafter itself (its int8 copy and restricted head, as a race runs it), drafting ``draft_length`` tokens after
     a prefix it has caught up on; any other draft (uag) is timed as one step of the model."""
-    from ..methods.base import DraftModelDrafter, int8_copy
+    from ..methods.draft_model import DraftModelDrafter
+    from ..backends.int8 import int8_copy
     from ..backends.loading import same_tokenizer
-    from ..core.acceptance import SamplingSettings
+    from ..core.settings import SamplingSettings
 
     vocab_size = output_rows(target.model)
     shared = target.tokenizer is not None and draft.tokenizer is not None
@@ -391,10 +263,7 @@ def calibrate(
 def _cache_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` to ``path`` whole or not at all; a read-only home only costs the cache (logged)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(data, indent=1))
-        os.replace(partial, path)
+        write_json_atomic(path, data, indent=1)
     except OSError as error:
         logger.warning("Could not cache %s: %s", path, error)
 
@@ -405,32 +274,9 @@ def _cache_json(path: Path, data: dict[str, Any]) -> None:
 #: the formats ``auto`` chooses among on a CPU (float32 is left out: its one-token pass costs two to three times a
 #: bfloat16 one on both classes of CPU measured, so it is never the fastest)
 AUTO_FORMATS = ("w8a8", "int8", "bfloat16")
-#: "speculation can pay" in a format: a free drafter right 80 % of the time beats plain decoding by 10 % at some
-#: draft length (the draft-length policy's own test, see :meth:`DraftLengthPolicy.drafting_could_pay`)
-PAYING_ACCEPTANCE = 0.8
-PAYING_SPEEDUP = 1.1
 #: one-token passes within this share of the fastest count as a tie (timings of bandwidth-bound passes move by
 #: 10 % and more between loads on a shared machine); the tie goes to the format where speculation writes fastest
 PLAIN_TIE = 0.05
-
-
-def speculation_can_pay(
-    curve: CostCurve, acceptance: float = PAYING_ACCEPTANCE, margin: float = PAYING_SPEEDUP
-) -> bool:
-    """Whether some draft length lets a free drafter (n-gram lookup) at ``acceptance`` beat plain decoding by
-    ``margin`` on this curve."""
-    return _best_free_speedup(curve, acceptance) >= margin
-
-
-def _best_free_speedup(curve: CostCurve, acceptance: float) -> float:
-    """A free drafter's speedup over plain decoding at ``acceptance``, at its best draft length on this curve."""
-    return max(expected_tokens([acceptance], k) / curve.round_cost(k, 0.0) for k in range(1, curve.lengths[-1]))
-
-
-def speculative_seconds_per_token(curve: CostCurve, acceptance: float = PAYING_ACCEPTANCE) -> float:
-    """Seconds per token a free drafter right ``acceptance`` of the time reaches on this curve at its best draft
-    length (plain decoding when no length beats it)."""
-    return curve.seconds[0] / max(_best_free_speedup(curve, acceptance), 1.0)
 
 
 @dataclass

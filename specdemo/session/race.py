@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from ..core.loop import RoundEvent
+from ..core.events import RoundEvent
 
 
 def race(plain: Iterator[RoundEvent], spec: Iterator[RoundEvent]) -> Iterator[RoundEvent]:

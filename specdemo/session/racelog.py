@@ -11,33 +11,26 @@ figures are rebuilt from the rounds exactly as the engine added them up (:meth:`
      "sides": {"plain": [ROUND, ...], "spec": [ROUND, ...]},
      "outcome": {"done": true, "divergence": null | {"position": 17, "logit_margin": 0.12},
                  "stop_reason": "time budget"},   # only when the race stopped early
-     "figures": {...}}   # derived (speedup, acceptance, ...), for readers; ignored on load
+     "figures": {"plain": RUN, "spec": RUN}}   # derived, for readers; ignored on load
 
     ROUND = {"round": 3, "t": 1.234, "draft_s": 0.02, "verify_s": 0.1, "drafted": 4, "accepted": 2,
              "tokens": [[id, text, kind, draft_prob, target_prob], ...], "rejected": [...], "finish": "length"}
 
 ``t`` is the side's own compute clock at the end of the round; zero counts, empty lists and a missing finish are
-left out.
+left out. ``RUN`` is the one results schema (:class:`~specdemo.session.results.RunResult`). No torch here: a saved
+log is re-rendered without loading it.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import os
-import platform
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
-import torch
-
-from ..core.loop import Counters, RoundEvent, TokenEvent
-from ..core.metrics import compare, run_metrics
-
-if TYPE_CHECKING:
-    from ..app.ui import Prepared
+from ..core.events import Counters, RoundEvent, TokenEvent
+from .results import race_runs
 
 logger = logging.getLogger(__name__)
 
@@ -51,25 +44,6 @@ class RaceLogError(ValueError):
     """A file that is not a race log this version can read, with a one-line reason."""
 
 
-@functools.lru_cache(maxsize=None)
-def hardware_name(device: str) -> str:
-    """What a race ran on, for titles: the GPU's name, or the CPU's model name and core count."""
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.device(device))
-    if device.startswith("mps"):
-        return "Apple GPU (mps)"
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model} ({os.cpu_count()} cores)"
-
-
 @dataclass(frozen=True)
 class RaceSettings:
     """What was raced, how, and on what."""
@@ -77,7 +51,7 @@ class RaceSettings:
     target: str
     draft: str | None
     mode: str
-    draft_tokens: str | int
+    num_draft_tokens: str | int
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -89,32 +63,12 @@ class RaceSettings:
     prompt_tokens: int
     chat: bool = True
     pair: str | None = None  # the preset raced (None: custom models)
+    method_label: str = ""  # what drafts, in words (see specdemo.methods)
+    max_num_draft_tokens: int | None = None  # the most an adaptive policy drafts in a round (None: not recorded)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
-
-    @classmethod
-    def from_prepared(cls, prepared: Prepared) -> RaceSettings:
-        sampling = prepared.settings.sampling
-        device = str(prepared.target.device)
-        return cls(
-            target=prepared.target_source,
-            draft=prepared.draft_source,
-            mode=prepared.spec.mode,
-            draft_tokens=prepared.spec.draft_length,
-            max_new_tokens=prepared.settings.max_new_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
-            dtype=prepared.target.format,
-            device=device,
-            hardware=hardware_name(device),
-            prompt=prepared.request.prompt,
-            prompt_tokens=len(prepared.prompt_ids),
-            chat=bool(prepared.request.chat),
-            pair=prepared.pair,
-        )
 
 
 @dataclass
@@ -268,18 +222,10 @@ class RaceLog:
         return self.divergence is None if self.done else None
 
     def figures(self) -> dict[str, Any]:
-        """The final figures: speedup, acceptance, mean accepted length, expected speedup, identical or not."""
-        spec, plain = run_metrics(self.counters("spec")), run_metrics(self.counters("plain"))
-        comparison = compare(spec, plain) if spec.new_tokens and plain.new_tokens else None
-        return {
-            "speedup": comparison.speedup if comparison else None,
-            "acceptance_rate": spec.acceptance_rate,
-            "mean_accepted_length": spec.mean_accepted_length,
-            "expected_speedup": comparison.expected_speedup if comparison else None,
-            "plain_tokens_per_s": plain.tokens_per_s,
-            "spec_tokens_per_s": spec.tokens_per_s,
-            "identical": self.identical,
-        }
+        """Both sides in the one results schema (:class:`~specdemo.session.results.RunResult`): tokens, seconds,
+        acceptance, mean accepted length, identical or not and where they part, speedup."""
+        runs = race_runs(self.counters("plain"), self.counters("spec"), self.done, self.divergence, self.margin)
+        return {side: run.as_dict() for side, run in runs.items()}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -316,7 +262,10 @@ class RaceLog:
             )
         try:
             names = {f.name for f in fields(RaceSettings)}
-            settings = RaceSettings(**{k: v for k, v in data["settings"].items() if k in names})
+            raw = dict(data["settings"])
+            if "draft_tokens" in raw:  # logs written before the setting had its one name
+                raw.setdefault("num_draft_tokens", raw.pop("draft_tokens"))
+            settings = RaceSettings(**{k: v for k, v in raw.items() if k in names})
             if list(data["token_fields"]) != list(TOKEN_FIELDS):
                 raise ValueError(f"token fields {data['token_fields']} are not {list(TOKEN_FIELDS)}")
             sides = {side: [LoggedRound.from_json(r) for r in data["sides"][side]] for side in SIDES}

@@ -1,0 +1,285 @@
+"""The app's Gradio handlers: the Run button's stream of views, the ``/race`` API, and the queue's validators.
+
+Each handler is a thin layer over one :class:`~specdemo.session.racer.Racer`: it turns the inputs into a
+:class:`~specdemo.session.request.RaceRequest`, reports loading progress, and turns each
+:class:`~specdemo.session.state.RaceState` into the page's outputs (:func:`view`) or the API's JSON
+(:func:`~specdemo.session.state.result_dict`). Tests drive :func:`make_handlers` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import gradio as gr
+
+from ..core.errors import InputError, first_line
+from ..render.views import figures_html, identical_html, pane_html, pane_stats_html, pane_titles, speedup_html
+from ..session.racer import Prepared, Racer, log_refusal, race_settings
+from ..session.request import RaceRequest
+from ..session.state import RaceState, progress_dict, result_dict
+from .charts import acceptance_position_frame, accepted_length_frame, cost_plot_update, race_frame
+from .config import AppConfig
+from .spaces import gpu
+
+logger = logging.getLogger(__name__)
+
+#: the Run handler's outputs, in order (tests zip them with the yielded tuples)
+OUTPUTS = (
+    "plain_stats",
+    "plain_output",
+    "spec_stats",
+    "spec_output",
+    "speedup",
+    "figures",
+    "identical",
+    "status",
+    "race_plot",
+    "length_plot",
+    "position_plot",
+    "result",
+    "cost_plot",
+)
+#: the ``/race`` API's inputs, in order
+API_INPUTS = (
+    "prompt",
+    "pair",
+    "mode",
+    "num_draft_tokens",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "chat",
+    "target",
+    "draft",
+    "dtype",
+)
+#: the Run handler's inputs, in order
+INPUTS = (
+    "prompt",
+    "pair",
+    "target",
+    "draft",
+    "mode",
+    "num_draft_tokens",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "dtype",
+    "quantization",
+    "chat",
+)
+RACING_TEXT = "Racing… each side is timed only on its own work."
+
+
+def status_text(state: RaceState | None, load_seconds: float = 0.0) -> str:
+    """The status line under the figures: racing, done with the speedup, or stopped and why."""
+    if state is None:
+        return ""
+    if not state.done:
+        return RACING_TEXT
+    comparison = state.comparison
+    speed = f"{comparison.speedup:.2f}×" if comparison and comparison.speedup else "–"
+    load = f" Models ready in {load_seconds:.1f} s." if load_seconds > 1 else ""
+    if state.stop_reason is not None:
+        return (
+            f"Stopped ({state.stop_reason}): so far speculative decoding ran {speed} as fast as plain decoding "
+            f"({state.plain.counters.new_tokens} and {state.spec.counters.new_tokens} tokens written).{load}"
+        )
+    return f"Done: speculative decoding ran {speed} as fast as plain decoding.{load}"
+
+
+def view(state: RaceState, prepared: Prepared, final: bool) -> tuple:
+    """The Run handler's outputs (see :data:`OUTPUTS`); charts and JSON only with the final state."""
+    (plain_title, plain_sub), (spec_title, spec_sub) = pane_titles(state.settings)
+    live = not final
+    values = [
+        pane_stats_html(state.plain, plain_title, plain_sub, live and not state.plain.finished),
+        pane_html(state.plain),
+        pane_stats_html(state.spec, spec_title, spec_sub, live and not state.spec.finished),
+        pane_html(state.spec),
+        speedup_html(state),
+        figures_html(state),
+        identical_html(state),
+        status_text(state, prepared.load_seconds),
+    ]
+    if final:
+        values += [
+            race_frame(state),
+            accepted_length_frame(state.spec.counters),
+            acceptance_position_frame(state.spec.counters),
+            result_dict(state, prepared.format_reason, prepared.calibration),
+        ]
+    else:
+        values += [gr.skip(), gr.skip(), gr.skip(), gr.skip()]
+    values.append(gr.skip())  # the cost curve: set once, when the race starts
+    return tuple(values)
+
+
+def starting_view(prepared: Prepared) -> tuple:
+    """The first update of a race: empty panes, cleared charts, the machine's cost curve."""
+    values = list(view(RaceState(race_settings(prepared)), prepared, final=False))
+    for name in ("race_plot", "length_plot", "position_plot", "result"):
+        values[OUTPUTS.index(name)] = None
+    values[OUTPUTS.index("status")] = RACING_TEXT
+    values[OUTPUTS.index("cost_plot")] = cost_plot_update(prepared)
+    return tuple(values)
+
+
+@dataclass
+class Handlers:
+    """The app's event handlers, bound to one :class:`Racer` (tests drive these directly)."""
+
+    racer: Racer
+    race: Callable[..., Iterator[tuple]]
+    api: Callable[..., Iterator[dict]]
+    race_validator: Callable[..., list[dict]]  # the queue runs these before queueing: bad input never waits
+    api_validator: Callable[..., list[dict]]
+
+
+def make_handlers(config: AppConfig) -> Handlers:
+    """The handlers of one app: one :class:`Racer` for all of them (the queue runs one race at a time)."""
+    racer = Racer(config)
+
+    def race_handler(
+        prompt: str,
+        pair: str,
+        target: str,
+        draft: str,
+        mode: str,
+        num_draft_tokens: str,
+        max_new_tokens: float,
+        temperature: float,
+        top_p: float,
+        seed: float,
+        dtype: str,
+        quantization: str,
+        chat: bool,
+        progress: gr.Progress = gr.Progress(),
+    ) -> Iterator[tuple]:
+        """One Run: load, then one race; yields the panes a few times a second and always the final state."""
+        request = RaceRequest(
+            prompt, pair, target, draft, mode, num_draft_tokens, max_new_tokens, temperature, top_p, seed, dtype,
+            quantization, chat,
+        )
+
+        def report(fraction: float, message: str) -> None:
+            progress(max(0.0, min(1.0, fraction)), desc=message)
+
+        try:
+            prepared = racer.prepare(request, report)
+        except InputError as error:
+            raise gr.Error(str(error), print_exception=False) from None
+        for warning in prepared.warnings:
+            gr.Warning(warning)
+        yield starting_view(prepared)
+        states = racer.run(prepared)
+        interval = config.update_interval
+        last = time.monotonic()
+        state: RaceState | None = None
+        try:
+            for state in states:
+                if state.done:
+                    break
+                now = time.monotonic()
+                if now - last >= interval:
+                    yield view(state, prepared, final=False)
+                    last = now
+        except (RuntimeError, ValueError) as error:
+            logger.exception("The race failed")
+            raise gr.Error(f"the race failed: {first_line(error)}", print_exception=False) from None
+        finally:
+            states.close()  # on Stop, Gradio closes this generator: the race and both decoders close with it
+        if state is not None:
+            yield view(state, prepared, final=True)
+
+    def api_race(
+        prompt: str,
+        pair: str = "",
+        mode: str = "draft",
+        num_draft_tokens: str = "adaptive",
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        chat: bool = True,
+        target: str = "",
+        draft: str = "",
+        dtype: str = "",
+    ) -> Iterator[dict]:
+        """Run one race to the end: a short progress object after every round, then the final texts, per-token
+        kinds and figures as JSON (``client.predict`` returns that last one).
+
+        Yielding every round lets the queue close the race within one round when the client cancels or
+        disconnects, so the worker is free for the next visitor.
+        """
+        request = api_request(
+            prompt, pair, mode, num_draft_tokens, max_new_tokens, temperature, top_p, seed, chat, target, draft, dtype
+        )
+        try:
+            prepared = racer.prepare(request)
+        except InputError as error:
+            raise gr.Error(str(error), print_exception=False) from None
+        states = racer.run(prepared)
+        state = None
+        try:
+            for state in states:
+                if state.done:
+                    break
+                yield progress_dict(state)
+        except (RuntimeError, ValueError) as error:
+            logger.exception("The race failed")
+            raise gr.Error(f"the race failed: {first_line(error)}", print_exception=False) from None
+        finally:
+            states.close()
+        assert state is not None
+        yield result_dict(state, prepared.format_reason, prepared.calibration)
+
+    def validation(request: RaceRequest, names: Sequence[str]) -> list[dict]:
+        """One ``gr.validate`` per input: the cheap checks of :meth:`Racer.check`, the message on the input at
+        fault (or on the prompt)."""
+        try:
+            racer.check(request)
+        except InputError as error:
+            log_refusal(str(error))
+            blamed = error.field if error.field in names else names[0]
+            return [gr.validate(name != blamed, str(error) if name == blamed else "") for name in names]
+        return [gr.validate(True, "") for _ in names]
+
+    def race_validator(*values: Any) -> list[dict]:
+        return validation(RaceRequest(*values), INPUTS)
+
+    def api_request(
+        prompt: str,
+        pair: str = "",
+        mode: str = "draft",
+        num_draft_tokens: str = "adaptive",
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        chat: bool = True,
+        target: str = "",
+        draft: str = "",
+        dtype: str = "",
+    ) -> RaceRequest:
+        """The request behind a ``/race`` call (its inputs in :data:`API_INPUTS` order)."""
+        return RaceRequest(
+            prompt, pair or None, target, draft, mode, num_draft_tokens, max_new_tokens, temperature, top_p, seed,
+            dtype or config.dtype, "none", chat,
+        )
+
+    def api_validator(*values: Any, **named: Any) -> list[dict]:
+        return validation(api_request(*values, **named), API_INPUTS)
+
+    return Handlers(
+        racer,
+        gpu(race_handler, duration=config.gpu_duration),
+        gpu(api_race, duration=config.gpu_duration),
+        race_validator,
+        api_validator,
+    )

@@ -1,0 +1,124 @@
+"""What decoding reports, round by round: token events, round events and running counters.
+
+No torch here: the render layer (views, HTML replay, video) and the race log read these without loading torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+logger = logging.getLogger(__name__)
+
+#: how a token came to be
+ACCEPTED, CORRECTED, BONUS, PLAIN, REJECTED = "accepted", "corrected", "bonus", "plain", "rejected"
+
+
+@dataclass
+class TokenEvent:
+    """One token as shown: its id, its text piece, how it was made, and the probabilities behind it."""
+
+    id: int
+    text: str
+    kind: str
+    round: int
+    draft_prob: float | None = None
+    target_prob: float | None = None
+
+
+@dataclass
+class Counters:
+    """Running totals of one decoding run."""
+
+    new_tokens: int = 0
+    target_passes: int = 0
+    rounds: int = 0  # verification rounds (passes after the prefill)
+    drafted: int = 0
+    accepted: int = 0
+    rejection_rounds: int = 0  # rounds in which a draft token was rejected
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens per verification round (bonus included)
+    draft_lengths: list[int] = field(default_factory=list)  # tokens drafted in each verification round
+    drafted_at: list[int] = field(default_factory=list)  # per draft position: how often a token was drafted there
+    accepted_at: list[int] = field(default_factory=list)  # ... and accepted there
+    tested_at: list[int] = field(default_factory=list)  # ... and checked there (every earlier one accepted)
+
+    def snapshot(self) -> "Counters":
+        """A copy that later rounds do not change."""
+        return replace(
+            self,
+            accepted_lengths=list(self.accepted_lengths),
+            draft_lengths=list(self.draft_lengths),
+            drafted_at=list(self.drafted_at),
+            accepted_at=list(self.accepted_at),
+            tested_at=list(self.tested_at),
+        )
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_seconds + self.draft_seconds + self.verify_seconds
+
+    def record_round(self, num_draft_tokens: int, num_accepted: int, num_written: int, depth: int | None = None) -> None:
+        """One verify round: ``num_draft_tokens`` tokens drafted (tree nodes), ``num_accepted`` of them accepted (the
+        accepted path's length), ``num_written`` tokens written; per-position counts go by depth (a chain's depth is
+        its length)."""
+        depth = num_draft_tokens if depth is None else depth
+        self.rounds += 1
+        self.target_passes += 1
+        self.drafted += num_draft_tokens
+        self.accepted += num_accepted
+        if num_accepted < num_draft_tokens:
+            self.rejection_rounds += 1
+        self.accepted_lengths.append(num_written)
+        self.draft_lengths.append(num_draft_tokens)
+        while len(self.drafted_at) < depth:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+            self.tested_at.append(0)
+        for position in range(depth):
+            self.drafted_at[position] += 1
+            if position <= num_accepted:
+                self.tested_at[position] += 1
+            if position < num_accepted:
+                self.accepted_at[position] += 1
+
+    @classmethod
+    def total(cls, runs: Sequence["Counters"]) -> "Counters":
+        """The counters of several runs added up, as if they were one run."""
+        total = cls()
+        for run in runs:
+            for name in (
+                "new_tokens", "target_passes", "rounds", "drafted", "accepted", "rejection_rounds",
+                "prefill_seconds", "draft_seconds", "verify_seconds",
+            ):
+                setattr(total, name, getattr(total, name) + getattr(run, name))
+            total.accepted_lengths.extend(run.accepted_lengths)
+            total.draft_lengths.extend(run.draft_lengths)
+            for name in ("drafted_at", "accepted_at", "tested_at"):
+                mine, theirs = getattr(total, name), getattr(run, name)
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for position, count in enumerate(theirs):
+                    mine[position] += count
+        return total
+
+
+@dataclass
+class RoundEvent:
+    """What one target forward pass produced."""
+
+    side: str  # "plain" or "spec"
+    round: int  # 0 = the prefill pass
+    tokens: list[TokenEvent]
+    rejected: list[TokenEvent]
+    drafted: int
+    accepted: int
+    draft_seconds: float
+    verify_seconds: float
+    counters: Counters
+    finished: bool = False
+    finish_reason: str | None = None  # "eos" or "length"
+    new_token_ids: list[int] = field(default_factory=list)  # the whole output so far (set on the final event)
+    text: str = ""  # the whole output text so far (set on the final event)

@@ -1,0 +1,159 @@
+"""n-gram prompt lookup: propose what followed an earlier occurrence of the context's longest suffix n-gram.
+
+No draft model: drafting costs microseconds beside a target pass, so the draft-length policy treats drafts as free.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..core.protocol import TargetPass
+from ..core.errors import InputError
+from .base import BuildContext, Method
+from ..core.protocol import Proposal, RoundResult
+
+logger = logging.getLogger(__name__)
+
+
+NGRAM_PREFERENCES = ("follow", "recent", "first")
+
+
+class NgramIndex:
+    """Maps every n-gram (min_n..max_n) of a growing token sequence to the ends of all its occurrences.
+
+    Only occurrences followed by at least one token are indexed, so a lookup of the sequence's own suffix finds an
+    earlier occurrence with a continuation. Which occurrence of the longest matching suffix is copied:
+
+    - ``"recent"``: the most recent one (the one before it when the latest leaves too short a continuation, as in a
+      repeated pattern);
+    - ``"first"``: the first one (transformers' prompt lookup does this);
+    - ``"follow"``: the first one at or after ``follow_from`` (the source position where the last accepted copy
+      ended, so an output that copies the prompt in order with edits keeps copying from the right place), and the
+      most recent one when there is none or no copy was accepted yet.
+
+    Updating is incremental: each new position is indexed once.
+    """
+
+    def __init__(self, min_n: int = 1, max_n: int = 4, prefer: str = "follow") -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        if prefer not in NGRAM_PREFERENCES:
+            raise ValueError(f"n-gram preference must be one of {', '.join(NGRAM_PREFERENCES)}, got {prefer!r}")
+        self.min_n = min_n
+        self.max_n = max_n
+        self.prefer = prefer
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> ends of its occurrences, ascending
+        self._indexed_ends = 0  # ends 0.._indexed_ends-1 are in the table
+
+    def reset(self) -> None:
+        self.tokens = []
+        self._ends = {}
+        self._indexed_ends = 0
+
+    def extend(self, context: Sequence[int]) -> bool:
+        """Bring the index up to date with ``context``; returns True when it had to start over (a new sequence)."""
+        known = len(self.tokens)
+        restarted = False
+        if len(context) < known or list(context[max(0, known - 8) : known]) != self.tokens[max(0, known - 8) :]:
+            self.reset()
+            known = 0
+            restarted = True
+        self.tokens.extend(int(t) for t in context[known:])
+        tokens = self.tokens
+        for end in range(self._indexed_ends, len(tokens) - 1):
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                self._ends.setdefault(tuple(tokens[end - n + 1 : end + 1]), []).append(end)
+        self._indexed_ends = max(self._indexed_ends, len(tokens) - 1)
+        return restarted
+
+    def find(self, max_tokens: int, follow_from: int | None = None) -> tuple[list[int], int | None]:
+        """The continuation to copy and the end of the occurrence it follows (None when nothing matches)."""
+        tokens = self.tokens
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            ends = self._ends.get(tuple(tokens[len(tokens) - n :]))
+            if not ends:
+                continue
+            after = len(ends)
+            if self.prefer == "follow" and follow_from is not None:
+                after = bisect.bisect_left(ends, follow_from)
+            if self.prefer == "first":
+                source = ends[0]
+            elif after < len(ends):
+                source = ends[after]
+            else:
+                source = self._recent(ends, max_tokens)
+            return tokens[source + 1 : source + 1 + max_tokens], source
+        return [], None
+
+    def lookup(self, max_tokens: int) -> list[int]:
+        """Continuation of the longest suffix n-gram that occurred before (see the class for which occurrence)."""
+        return self.find(max_tokens)[0]
+
+    def _recent(self, ends: list[int], max_tokens: int) -> int:
+        latest = ends[-1]
+        if len(ends) > 1 and len(self.tokens) - 1 - latest < max_tokens:
+            # the latest occurrence runs into the suffix: the one before it has a longer continuation
+            return ends[-2]
+        return latest
+
+
+class NgramDrafter:
+    """Prompt lookup decoding: propose what followed an earlier occurrence of the context's longest suffix n-gram."""
+
+    name = "ngram"
+    needs_hidden_states = False
+
+    def __init__(self, min_n: int = 1, max_n: int = 4, prefer: str = "follow") -> None:
+        self.index = NgramIndex(min_n, max_n, prefer)
+        self._source: int | None = None  # end of the occurrence the last proposal copied from
+        self._follow_from: int | None = None  # source position of the last accepted copied token
+
+    def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
+        self.index.reset()
+        self._source = self._follow_from = None
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
+        self._source = None
+        if max_tokens <= 0:
+            return Proposal()
+        if self.index.extend(context):
+            self._follow_from = None
+        tokens, self._source = self.index.find(max_tokens, self._follow_from)
+        return Proposal(tokens, None)
+
+    def feedback(self, result: RoundResult) -> None:
+        if self._source is not None and result.num_accepted > 0:
+            self._follow_from = self._source + result.num_accepted
+
+
+@dataclass(frozen=True)
+class NgramOptions:
+    """The n-gram sizes looked up (longest first) and which earlier occurrence is copied."""
+
+    ngram_min: int = 1
+    ngram_max: int = 4
+    ngram_prefer: str = "follow"
+
+    def validate(self) -> None:
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InputError(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
+        if self.ngram_prefer not in NGRAM_PREFERENCES:
+            raise InputError(f"n-gram preference must be one of: {', '.join(NGRAM_PREFERENCES)}")
+
+
+def _build(context: BuildContext) -> NgramDrafter:
+    options: NgramOptions = context.options
+    return NgramDrafter(options.ngram_min, options.ngram_max, options.ngram_prefer)
+
+
+METHOD = Method(
+    name="ngram",
+    label="n-gram prompt lookup (no draft model)",
+    build=_build,
+    options=NgramOptions,
+    drafts_for_free=True,
+)

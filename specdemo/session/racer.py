@@ -1,0 +1,419 @@
+"""Preparing a pair and racing it: what the app, the ``/race`` API and the recorder run, and the bench reuses.
+
+- :class:`Racer`: checks a :class:`~specdemo.session.request.RaceRequest` (:func:`check_request`), loads the pair
+  with progress (freeing the previous pair's models), warms it up, calibrates it, and runs one race through
+  :func:`specdemo.session.race.race`, yielding a :class:`~specdemo.session.state.RaceState` after every round,
+  within the time budget; every race and every refusal ends with one line in the server log;
+- shared with the bench: :func:`warm_up` (the one untimed warm-up run), :func:`calibrate_pair` (the one calibration
+  call, with the same cache keys everywhere) and :func:`compare_outputs` (the divergence check and its logit margin);
+- the server log: one structured line per race on the ``specdemo.races`` logger (:func:`log_race`,
+  :func:`log_refusal`); never the prompt's text. Not the race log of :mod:`specdemo.session.racelog`, which
+  records a race round by round.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from ..backends.loading import CacheKey, LoadedModel, LoadSettings, ModelLoadError, cache_key, draft_dtype
+from ..backends.memory import resident_gb, return_free_memory
+from ..backends.offline import OfflinePackError
+from ..core.economics import CostCurve
+from ..core.errors import InputError, first_line
+from ..core.loop import collect
+from ..core.settings import GenerationSettings, SamplingSettings
+from ..methods import SpecSettings, check_pair
+from .calibration import calibrate, choose_format
+from .config import WARMUP_TOKENS, SessionConfig
+from .pipeline import encode_prompt, plain_events, spec_events
+from .race import race
+from .racelog import RaceSettings
+from .request import Checked, RaceRequest, check_lengths, check_prompt_tokens, check_request
+from .results import RunResult, divergence
+from .state import RaceState
+
+logger = logging.getLogger(__name__)
+#: the server log: one structured line per race (pair, mode, sizes, seconds, both runs, how it ended)
+race_logger = logging.getLogger("specdemo.races")
+
+#: why a race stopped before both sides finished
+TIME_BUDGET = "time budget"
+
+#: (fraction in [0, 1], message): how far loading and preparing a pair has come
+Progress = Callable[[float, str], None]
+
+
+def _no_progress(fraction: float, message: str) -> None:
+    """A progress callback that reports nowhere."""
+
+
+@dataclass
+class Prepared:
+    """A checked request with its models loaded, warmed up and calibrated, and its prompt encoded."""
+
+    request: RaceRequest
+    target: LoadedModel
+    draft: LoadedModel | None
+    target_source: str
+    draft_source: str | None
+    prompt_ids: list[int]
+    settings: GenerationSettings
+    spec: SpecSettings
+    warnings: list[str] = field(default_factory=list)
+    load_seconds: float = 0.0
+    warmup_seconds: float = 0.0
+    pair: str | None = None  # the preset raced (None: custom models)
+    calibration: CostCurve | None = None  # this machine's cost curve for the target (and draft)
+    format_reason: str | None = None  # why the target runs in its format, when --dtype auto chose it
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shared with the bench
+
+
+def warm_up(
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    prompt_ids: list[int],
+    sampling: SamplingSettings,
+    spec: SpecSettings | None,
+    tokens: int = WARMUP_TOKENS,
+    plain: bool = True,
+) -> float:
+    """One short untimed run of plain decoding (unless ``plain`` is False) and of ``spec``'s mode (when given), so
+    that no timed run pays first-call costs; the seconds it took."""
+    if tokens <= 0:
+        return 0.0
+    started = time.perf_counter()
+    warm = GenerationSettings(max_new_tokens=tokens, sampling=sampling, collect_probs=False)
+    if plain:
+        collect(plain_events(target, prompt_ids, warm))
+    if spec is not None:
+        collect(spec_events(target, draft, prompt_ids, warm, spec))
+    return time.perf_counter() - started
+
+
+def calibrate_pair(
+    target: LoadedModel, draft: LoadedModel | None, spec: SpecSettings, refresh: bool = False
+) -> CostCurve:
+    """This machine's cost curve for the target (and the draft's step as ``spec``'s mode runs it: its int8 copy
+    or not); measured once per machine, model, format and draft set-up, then cached. The one calibration call of
+    every front end, so the same pair and mode hit the same cache entry everywhere."""
+    return calibrate(target, draft, refresh=refresh, draft_int8=spec.draft_runs_int8(target, draft))
+
+
+def divergence_margin(target: LoadedModel, prompt_ids: list[int], reference: Sequence[int], position: int) -> float:
+    """The target's top-1 minus top-2 logit where the outputs part (in the reference's context)."""
+    ids = torch.tensor([list(prompt_ids) + list(reference[:position])], device=target.device)
+    with torch.inference_mode():
+        logits = target.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+    top2 = torch.topk(logits, 2).values
+    return float(top2[0] - top2[1])
+
+
+def compare_outputs(
+    target: LoadedModel, prompt_ids: list[int], reference: Sequence[int], other: Sequence[int], greedy: bool
+) -> tuple[int | None, float | None]:
+    """Where ``other`` first differs from ``reference`` (None: identical) and, for greedy runs that part before the
+    reference ends, the target's logit margin there (a near-tie says low precision, not a bug)."""
+    position = divergence(reference, other)
+    margin = None
+    if greedy and position is not None and position < len(reference):
+        try:
+            margin = divergence_margin(target, prompt_ids, reference, position)
+        except RuntimeError:  # pragma: no cover - out of memory and the like: the result says less
+            logger.exception("Could not compute the divergence margin")
+    return position, margin
+
+
+@functools.lru_cache(maxsize=None)
+def hardware_name(device: str) -> str:
+    """What a race ran on, for titles: the GPU's name, or the CPU's model name and core count."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    if device.startswith("mps"):
+        return "Apple GPU (mps)"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores)"
+
+
+def race_settings(prepared: Prepared) -> RaceSettings:
+    """What a prepared race races, as its log records it."""
+    sampling = prepared.settings.sampling
+    device = str(prepared.target.device)
+    return RaceSettings(
+        target=prepared.target_source,
+        draft=prepared.draft_source,
+        mode=prepared.spec.mode,
+        num_draft_tokens=prepared.spec.num_draft_tokens,
+        max_num_draft_tokens=prepared.spec.max_num_draft_tokens,
+        method_label=prepared.spec.method.label,
+        max_new_tokens=prepared.settings.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        dtype=prepared.target.format,
+        device=device,
+        hardware=hardware_name(device),
+        prompt=prepared.request.prompt,
+        prompt_tokens=len(prepared.prompt_ids),
+        chat=bool(prepared.request.chat),
+        pair=prepared.pair,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the racer
+
+
+class Racer:
+    """Checks requests, prepares pairs and runs races (one at a time: the app's queue sees to that)."""
+
+    def __init__(self, config: SessionConfig) -> None:
+        self.config = config
+        self._warm: set[tuple[int, int | None, str]] = set()  # (target model, draft model, mode) warmed up
+        self._pair: frozenset[CacheKey] | None = None  # cache keys of the pair that ran last
+
+    # -- checking and preparing --------------------------------------------------------------------------------
+
+    def check(self, request: RaceRequest) -> Checked:
+        """Every check that needs no model (see :func:`~specdemo.session.request.check_request`)."""
+        return check_request(request, self.config)
+
+    def prepare(self, request: RaceRequest, on_progress: Progress | None = None) -> Prepared:
+        """Check, load (reporting progress in [0, 1]), encode, warm up, calibrate; InputError with one plain line
+        otherwise (and one line in the server log)."""
+        try:
+            return self._prepare(request, on_progress or _no_progress)
+        except InputError as error:
+            log_refusal(str(error))
+            raise
+
+    def _prepare(self, request: RaceRequest, report: Progress) -> Prepared:
+        config = self.config
+        checked = self.check(request)
+        settings, spec, dtype = checked.settings, checked.spec, checked.dtype
+        target_source, draft_source, preset = checked.target_source, checked.draft_source, checked.preset
+
+        # loading (the first offline load joins and converts the pack: minutes, with progress)
+        started = time.perf_counter()
+        target_settings = LoadSettings(dtype=dtype, device=config.device, quantization=checked.quantization)
+        format_reason = None
+        if dtype == "auto" and config.calibrate:
+            report(0.0, "Choosing the target's format: each candidate measured once on this machine")
+            try:
+                choice = choose_format(target_source, target_settings, load=config.loader)
+            except (ModelLoadError, OfflinePackError) as error:
+                raise InputError(first_line(error)) from None
+            dtype, format_reason = choice.format, choice.reason
+            target_settings = replace(target_settings, dtype=dtype)
+        draft_settings = LoadSettings(dtype=draft_dtype(dtype), device=config.device)
+        # the pair's draft stays loaded in a draft-free mode, so flipping modes on one pair reloads nothing
+        self._switch_pair(target_source, target_settings, draft_source or (preset and preset.draft), draft_settings)
+        share = 0.5 if draft_source else 1.0
+        target = self._load(target_source, target_settings, lambda f, m: report(share * f, m), "target")
+        # the prompt is measured with the target's tokenizer before the draft loads or any pass runs
+        prompt_ids = encode_prompt(target, request.prompt, chat=bool(request.chat))
+        check_prompt_tokens(prompt_ids, checked.max_prompt_tokens)
+        check_lengths(target, prompt_ids, settings)
+        draft = None
+        if draft_source:
+            draft = self._load(draft_source, draft_settings, lambda f, m: report(0.5 + 0.5 * f, m), "draft")
+        load_seconds = time.perf_counter() - started
+        check_pair(spec, target, draft)  # e.g. Medusa heads that misfit: one line, before any pass
+
+        as_preset = preset is not None and (target_source, draft_source or preset.draft) == (preset.target, preset.draft)
+        prepared = Prepared(
+            request, target, draft, target_source, draft_source, prompt_ids, settings, spec,
+            _warnings(checked, target, draft), load_seconds, pair=preset.key if as_preset else None,
+            format_reason=format_reason,
+        )
+        try:
+            prepared.warmup_seconds = self._warm_up(prepared, report)
+        except (RuntimeError, ValueError) as error:
+            logger.exception("The warm-up run failed")
+            raise InputError(f"the warm-up run failed: {first_line(error)}") from None
+        if config.calibrate:
+            report(1.0, "Measuring what a pass costs on this machine (once per model and format)")
+            try:
+                prepared.calibration = calibrate_pair(target, draft, spec)
+            except (RuntimeError, ValueError, OSError):  # the race runs without the chart
+                logger.exception("Calibration failed")
+        return prepared
+
+    def preload(self, key: str | None = None) -> None:
+        """Load a preset's pair now (the default pair unless ``key``), in the configured format, as a race would
+        (ZeroGPU Spaces want models loaded before serving); InputError when it cannot."""
+        preset = self.config.presets[key or self.config.default_pair()]
+        settings = LoadSettings(dtype=self.config.dtype, device=self.config.device)
+        self._switch_pair(preset.target, settings, preset.draft, settings)
+        self._load(preset.target, settings, _no_progress, "target")
+        self._load(preset.draft, settings, _no_progress, "draft")
+
+    def _switch_pair(
+        self, target_source: str, target_settings: LoadSettings, draft_source: str | None, draft_settings: LoadSettings
+    ) -> None:
+        """When the pair changes, free every model the new pair does not use (the int8 copies go with them)."""
+        try:
+            keys = {cache_key(target_source, target_settings)}
+            if draft_source:
+                keys.add(cache_key(draft_source, draft_settings))
+        except ModelLoadError as error:
+            raise InputError(first_line(error)) from None
+        pair = frozenset(keys)
+        if self._pair is not None and pair != self._pair and self.config.forget_models is not None:
+            logger.info("Switching pair to %s: freeing the models it does not use", " + ".join(sorted(k[0] for k in pair)))
+            self._warm.clear()
+            self.config.forget_models(pair)
+        self._pair = pair
+
+    def _load(self, source: str, settings: LoadSettings, report: Progress, role: str) -> LoadedModel:
+        report(0.0, f"Loading the {role}: {source}")
+        try:
+            return self.config.loader(source, settings, progress=False, on_progress=report)
+        except (ModelLoadError, OfflinePackError) as error:
+            raise InputError(first_line(error)) from None
+        except (OSError, RuntimeError, ValueError, ImportError, KeyError) as error:
+            logger.exception("Loading %s failed", source)
+            raise InputError(f"cannot load {source!r}: {first_line(error)}") from None
+
+    def _warm_up(self, prepared: Prepared, report: Progress) -> float:
+        """The warm-up run (:func:`warm_up`) the first time a pair and mode race; seconds it took (0: none)."""
+        tokens = min(self.config.warmup_tokens, prepared.settings.max_new_tokens)
+        key = (id(prepared.target.model), id(prepared.draft.model) if prepared.draft else None, prepared.spec.mode)
+        if tokens <= 0 or key in self._warm:
+            return 0.0
+        report(1.0, "Warming up (untimed)")
+        seconds = warm_up(
+            prepared.target, prepared.draft, prepared.prompt_ids, prepared.settings.sampling, prepared.spec, tokens
+        )
+        self._warm.add(key)
+        return seconds
+
+    # -- the race ----------------------------------------------------------------------------------------------
+
+    def run(self, prepared: Prepared) -> Iterator[RaceState]:
+        """One race; yields the state after every round, and once more when the outcome is final.
+
+        Closing this generator (the Stop button, a cancelled or disconnected API client) closes the race, which
+        closes both decoders. When the race outlives the configured time budget it stops there, with the figures
+        of what both sides wrote so far. Every race ends with one line in the server log (:func:`log_race`).
+        """
+        state = RaceState(race_settings(prepared))
+        plain = plain_events(prepared.target, prepared.prompt_ids, prepared.settings)
+        spec = spec_events(
+            prepared.target, prepared.draft, prepared.prompt_ids, prepared.settings, prepared.spec, prepared.calibration
+        )
+        events = race(plain, spec)
+        budget = self.config.race_time_budget
+        started = time.perf_counter()
+        ended = "cancelled"  # until the race reaches an end of its own
+        try:
+            for event in events:
+                (state.plain if event.side == "plain" else state.spec).add(event)
+                yield state
+                both_finished = state.plain.finished and state.spec.finished
+                if budget is not None and not both_finished and time.perf_counter() - started > budget:
+                    state.stop_reason = TIME_BUDGET
+                    break
+            events.close()
+            self.finish(state, prepared)
+            ended = state.stop_reason or "done"
+            yield state
+        except Exception:
+            ended = "error"
+            raise
+        finally:
+            events.close()
+            seconds = time.perf_counter() - started
+            return_free_memory(collect=False)  # the race's caches and activations: a long session stays flat
+            log_race(state, prepared, ended, seconds)
+
+    def finish(self, state: RaceState, prepared: Prepared) -> None:
+        """Compare the outputs (as far as both got, when the race stopped early) and mark the race done."""
+        plain_ids, spec_ids = state.plain.output_ids(), state.spec.output_ids()
+        if state.stop_reason is not None:
+            plain_ids, spec_ids = plain_ids[: len(spec_ids)], spec_ids[: len(plain_ids)]
+        state.divergence, state.margin = compare_outputs(
+            prepared.target, prepared.prompt_ids, plain_ids, spec_ids, state.greedy
+        )
+        state.done = True
+
+
+def _warnings(checked: Checked, target: LoadedModel, draft: LoadedModel | None) -> list[str]:
+    """What a visitor should know before the race starts."""
+    warnings: list[str] = []
+    if draft is not None and (draft is target or draft.model is target.model):
+        warnings.append(
+            "The draft is the target itself: every draft is accepted, but each costs a full target pass, "
+            "so expect no speedup."
+        )
+    preset = checked.preset
+    if preset is not None and target.device.type == "cpu" and preset.hardware.lower().startswith("gpu"):
+        warnings.append(f"{preset.label} is meant for a GPU ({preset.hardware}); on this CPU it will be slow.")
+    if not checked.settings.sampling.greedy:
+        warnings.append(
+            "Sampling (temperature > 0): both sides draw from the same distribution, but not the same tokens, "
+            "so the texts will differ."
+        )
+    return warnings
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the server log
+
+
+def _rounded(value: Any, digits: int = 4) -> Any:
+    """``value`` with every float rounded to ``digits`` places (nested dicts included), for a readable log line."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {key: _rounded(item, digits) for key, item in value.items()}
+    return value
+
+
+def log_race(state: RaceState, prepared: Prepared, ended: str, seconds: float) -> None:
+    """One structured line (JSON) about a race that ran: what raced, how it ended, and both runs in the one
+    results schema; never the prompt's text."""
+    runs: dict[str, RunResult] = state.runs()
+    if ended == "error":  # no figure of a race that failed stands
+        runs = {side: replace(run, speedup=None) for side, run in runs.items()}
+    record: dict[str, Any] = {
+        "pair": prepared.pair,
+        "target": prepared.target_source,
+        "draft": prepared.draft_source,
+        "mode": prepared.spec.mode,
+        "num_draft_tokens": prepared.spec.num_draft_tokens,
+        "max_num_draft_tokens": prepared.spec.max_num_draft_tokens,
+        "dtype": prepared.target.format,
+        "device": str(prepared.target.device),
+        "prompt_tokens": len(prepared.prompt_ids),
+        "max_new_tokens": prepared.settings.max_new_tokens,
+        "ended": ended,
+        "seconds": round(seconds, 3),
+        **{side: _rounded(run.as_dict()) for side, run in runs.items()},
+        "rss_gb": None if (rss := resident_gb()) is None else round(rss, 2),
+    }
+    race_logger.info("race %s", json.dumps(record))
+
+
+def log_refusal(reason: str) -> None:
+    """One structured line about a request refused before it raced (the reason, never the prompt's text)."""
+    race_logger.info("race %s", json.dumps({"ended": "refused", "reason": reason}))

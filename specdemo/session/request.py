@@ -1,0 +1,240 @@
+"""What one race may ask for, and every check that needs no model (or only the target's tokenizer).
+
+:class:`RaceRequest` is a race as a front end sends it (the app's controls, the ``/race`` API, the recorder's
+options); :func:`check_request` turns it into a :class:`Checked` request, or refuses it with one plain line (an
+:class:`~specdemo.core.errors.InputError` that names the input at fault). The prompt checks run in two steps: by
+characters before anything loads (:func:`check_prompt_chars`), then by tokens once the target's tokenizer has
+counted it (:func:`check_prompt_tokens`, :func:`check_lengths`). The parsers are shared with the bench, so every
+front end takes the same values within the same limits.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from ..backends.loading import FORMATS, LoadedModel
+from ..core.errors import InputError, first_line
+from ..core.settings import GenerationSettings, SamplingSettings
+from ..methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, get_method
+from .config import SessionConfig
+from .presets import PairPreset
+
+logger = logging.getLogger(__name__)
+
+#: the target formats every front end offers (the app's dropdown, ``app.py --dtype``, the bench, the recorder)
+DTYPES = ("auto", *FORMATS)
+#: bitsandbytes quantisation of the target, by the name the front ends take
+QUANTIZATIONS: dict[str, str | None] = {"none": None, "8bit": "8bit", "4bit": "4bit"}
+#: no real text averages more characters per token than this, so a longer prompt is over the cap for certain
+MAX_CHARS_PER_TOKEN = 12
+#: the most new tokens a run may write (what :class:`~specdemo.core.settings.GenerationSettings` allows)
+MAX_NEW_TOKENS = 32768
+
+
+@dataclass
+class RaceRequest:
+    """Everything one race asks for, as the front end sends it (unparsed)."""
+
+    prompt: str
+    pair: str | None = None
+    target: str = ""
+    draft: str = ""
+    mode: str = "draft"
+    num_draft_tokens: str | int = "adaptive"
+    max_new_tokens: Any = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: Any = 0
+    dtype: str = "auto"
+    quantization: str | None = "none"
+    chat: bool = True
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A request that passed every check that needs no model (see :func:`check_request`)."""
+
+    settings: GenerationSettings
+    spec: SpecSettings
+    dtype: str
+    quantization: str | None
+    target_source: str
+    draft_source: str | None
+    preset: PairPreset | None
+    max_prompt_tokens: int
+
+
+@contextmanager
+def _blame(name: str) -> Iterator[None]:
+    """Turn an InputError or ValueError raised inside into an InputError that names the input ``name``."""
+    try:
+        yield
+    except InputError as error:
+        raise InputError(str(error), error.field or name) from None
+    except ValueError as error:
+        raise InputError(first_line(error), name) from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# parsers (shared with the bench)
+
+
+def parse_num_draft_tokens(value: str | int | None) -> str | int:
+    """``"adaptive"``, ``"heuristic"`` or a whole number k from 1 to :data:`~specdemo.methods.MAX_NUM_DRAFT_TOKENS`."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return "adaptive"
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("adaptive", "heuristic"):
+            return text
+        if text.lstrip("-").isdigit():
+            value = int(text)
+        else:
+            raise InputError(f"draft tokens must be 'adaptive', 'heuristic' or a number, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_NUM_DRAFT_TOKENS:
+        raise InputError(f"draft tokens must be between 1 and {MAX_NUM_DRAFT_TOKENS} (or adaptive), got {value!r}")
+    return value
+
+
+def parse_max_new_tokens(value: Any, limit: int = MAX_NEW_TOKENS) -> int:
+    """A whole number of new tokens from 1 to ``limit``."""
+    if value is None or value == "":
+        raise InputError("max new tokens is empty: give a number of tokens")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"max new tokens must be a number, got {value!r}") from None
+    if not number.is_integer() or not 1 <= number <= limit:
+        raise InputError(f"max new tokens must be a whole number between 1 and {limit}, got {value!r}")
+    return int(number)
+
+
+def parse_seed(value: Any) -> int | None:
+    """A whole number >= 0, or None (empty: unseeded)."""
+    if value is None or value == "":
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"the seed must be a whole number, got {value!r}") from None
+    if not number.is_integer() or number < 0:
+        raise InputError(f"the seed must be a whole number >= 0, got {value!r}")
+    return int(number)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the prompt
+
+
+def check_prompt_chars(text: str, max_prompt_tokens: int) -> None:
+    """Refuse, before any model work, a prompt too long in characters to fit ``max_prompt_tokens`` tokens."""
+    if len(text) > max_prompt_tokens * MAX_CHARS_PER_TOKEN:
+        raise InputError(
+            f"the prompt is too long: {len(text):,} characters, far over the limit of {max_prompt_tokens:,} prompt "
+            "tokens on this server; shorten it"
+        )
+
+
+def check_prompt_tokens(prompt_ids: list[int], max_prompt_tokens: int) -> None:
+    """Refuse a prompt of more than ``max_prompt_tokens`` tokens (checked before any forward pass)."""
+    if len(prompt_ids) > max_prompt_tokens:
+        raise InputError(
+            f"the prompt is too long: {len(prompt_ids):,} tokens, over the limit of {max_prompt_tokens:,} prompt "
+            "tokens on this server; shorten it"
+        )
+
+
+def check_lengths(target: LoadedModel, prompt_ids: list[int], settings: GenerationSettings) -> None:
+    """Refuse runs that cannot fit the target's context window, with one clear line."""
+    try:
+        settings.validate()
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    limit = target.max_context
+    if limit is not None and len(prompt_ids) + settings.max_new_tokens > limit:
+        raise InputError(
+            f"prompt ({len(prompt_ids)} tokens) + max new tokens ({settings.max_new_tokens}) exceeds the model's "
+            f"context of {limit} tokens; shorten the prompt or lower max new tokens"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the whole request
+
+
+def resolve_sources(request: RaceRequest, config: SessionConfig) -> tuple[str, str | None, PairPreset | None]:
+    """(target, draft, preset) sources of a request; the custom sources override the preset's."""
+    custom_target = (request.target or "").strip()
+    custom_draft = (request.draft or "").strip()
+    if (custom_target or custom_draft) and not config.custom_models:
+        raise InputError("custom models are switched off on this server: pick a pair preset")
+    preset = None
+    pair = (request.pair or "").strip() or config.default_pair()
+    if pair not in config.presets:
+        if not custom_target:
+            raise InputError(f"unknown pair {pair!r}; choose one of: {', '.join(config.presets)}")
+    else:
+        preset = config.presets[pair]
+    target = custom_target or (preset.target if preset else "")
+    draft = custom_draft or (preset.draft if preset else None)
+    method = METHODS.get(request.mode)
+    if method is None or not method.needs_draft_model:
+        draft = None
+    elif not draft:
+        raise InputError(f"mode {request.mode!r} needs a draft model: pick a pair or fill in the custom draft")
+    return target, draft, preset
+
+
+def check_request(request: RaceRequest, config: SessionConfig) -> Checked:
+    """Every check that needs no model (milliseconds): InputError naming the input at fault otherwise.
+
+    The app runs it as the queue's validator too, so bad input is refused at once, never after waiting behind
+    other visitors' races.
+    """
+    with _blame("prompt"):
+        if not isinstance(request.prompt, str) or not request.prompt.strip():
+            raise InputError("the prompt is empty: type something or pick an example")
+        max_prompt_tokens = config.prompt_token_limit()
+        check_prompt_chars(request.prompt, max_prompt_tokens)
+    with _blame("max_new_tokens"):
+        max_new_tokens = parse_max_new_tokens(request.max_new_tokens, config.max_new_tokens_limit)
+    with _blame("mode"):
+        get_method(request.mode)
+    with _blame("num_draft_tokens"):
+        spec = SpecSettings(
+            mode=request.mode, num_draft_tokens=parse_num_draft_tokens(request.num_draft_tokens),
+            medusa_heads=config.medusa_heads,
+        )
+        spec.validate()
+    with _blame("temperature"):
+        try:
+            temperature = float(request.temperature or 0.0)
+            top_p = float(request.top_p if request.top_p is not None else 1.0)
+        except (TypeError, ValueError):
+            raise InputError("temperature and top-p must be numbers") from None
+    with _blame("seed"):
+        sampling = SamplingSettings(temperature=temperature, top_p=top_p, seed=parse_seed(request.seed))
+    with _blame("temperature"):
+        settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling)
+        settings.validate()
+    with _blame("dtype"):
+        dtype = (request.dtype or config.dtype or "auto").strip().lower()
+        if dtype not in DTYPES:
+            raise InputError(f"unknown dtype {request.dtype!r}; choose one of: {', '.join(DTYPES)}")
+    with _blame("quantization"):
+        quant_key = (request.quantization or "none").strip().lower()
+        if quant_key not in QUANTIZATIONS:
+            raise InputError(f"unknown quantization {request.quantization!r}; use none, 8bit or 4bit")
+        quantization = QUANTIZATIONS[quant_key]
+        if quantization is not None:
+            reason = config.quantization_unavailable()
+            if reason:
+                raise InputError(reason)
+    with _blame("pair"):
+        target_source, draft_source, preset = resolve_sources(request, config)
+    return Checked(settings, spec, dtype, quantization, target_source, draft_source, preset, max_prompt_tokens)
