@@ -1,18 +1,20 @@
 """The drafting methods, one file each, and the one registry of speculative modes.
 
 Every front end (the app, ``/race``, the bench, the recorder, the replay) and the session ask this registry what a
-mode is (:class:`~specdemo.methods.base.Method`): adding a method is one new file here that declares its
-``METHOD`` (or ``METHODS``) plus a line in :data:`_MODULES`.
+mode is (:class:`~specdemo.methods.base.Method`). Adding a method is one new file in this folder that declares its
+``METHOD`` (or ``METHODS``, for a file that offers several modes): the registry finds it, in the order of the file
+names.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import InputError
 from ..core.settings import MAX_NUM_DRAFT_TOKENS
-from . import draft_model, medusa, ngram, uag
 from .base import BuildContext, Method, PolicyContext
 from ..core.protocol import DraftLengthPolicy, Drafter
 from .draft_length import make_policy
@@ -22,14 +24,21 @@ if TYPE_CHECKING:
     from ..core.economics import CostCurve
     from ..core.settings import GenerationSettings
 
-#: the method files, in the order the modes are offered
-_MODULES = (draft_model, ngram, uag, medusa)
+#: the files of this folder that hold no method
+_NOT_METHODS = frozenset({"base", "draft_length"})
 
 
 def _collect() -> dict[str, Method]:
+    """Every method the files of this folder declare, by name, in the order of the file names."""
     methods: dict[str, Method] = {}
-    for module in _MODULES:
-        for method in getattr(module, "METHODS", None) or (module.METHOD,):
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
+        if info.name in _NOT_METHODS:
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        declared = getattr(module, "METHODS", None) or (getattr(module, "METHOD", None),)
+        for method in declared:
+            if not isinstance(method, Method):
+                raise RuntimeError(f"{module.__name__} declares no METHOD or METHODS")
             if method.name in methods or method.name == "plain":
                 raise RuntimeError(f"two methods are called {method.name!r}")
             methods[method.name] = method
@@ -63,6 +72,7 @@ class SpecSettings:
     ngram_max: int = 4
     ngram_prefer: str = "follow"  # which earlier occurrence an n-gram draft copies: "follow", "recent" or "first"
     medusa_heads: str | None = None  # folder of Medusa heads; None = the heads shipped for the target
+    eagle_head: str | None = None  # EAGLE-3 head: a folder or Hub id; None = the head shipped for the target
 
     @property
     def method(self) -> Method:
