@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder of Medusa heads for the medusa modes (default: the heads shipped for the offline target; "
         "FasterDecoding's layout is accepted)",
     )
+    parser.add_argument(
+        "--eagle-head",
+        help="EAGLE-3 head for the eagle modes: a folder (this project's, EAGLE-3's or speculators' layout) or a Hub "
+        "id (default: the head shipped for the offline target, or the pair preset's)",
+    )
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -116,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         race_time_budget=args.race_time_budget,
         medusa_heads=args.medusa_heads,
+        eagle_head=args.eagle_head,
     )
     demo = build_app(config)
     if args.preload:

@@ -57,7 +57,7 @@ from .session.request import (
 )
 from .session.results import Divergence, RunResult, rate_ratio
 from .core.errors import InputError
-from .session.presets import default_preset_key, get_preset, PRESETS
+from .session.presets import default_preset_key, get_preset, preset_eagle_head, PRESETS
 from .session.prompts import Prompt, PromptFileError, load_prompts
 from .core.settings import SamplingSettings
 
@@ -521,6 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--medusa-heads", help="folder of Medusa heads for the medusa modes (default: the heads shipped for the "
         "offline target); FasterDecoding's layout is accepted",
     )
+    parser.add_argument(
+        "--eagle-head", help="EAGLE-3 head for the eagle modes: a folder (this project's, EAGLE-3's or speculators' "
+        "layout) or a Hub id (default: the head shipped for the target, or the pair preset's)",
+    )
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -587,11 +591,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_draft_tokens = _parsed("--num-draft-tokens", parse_num_draft_tokens, args.num_draft_tokens)
         if args.warmup < 0 or args.repeats < 1:
             raise InputError("--warmup must be >= 0 and --repeats >= 1")
-        target_source, draft_source = args.target, args.draft
+        target_source, draft_source, eagle_head = args.target, args.draft, args.eagle_head
         if args.pair or not target_source:
             preset = get_preset(args.pair or default_preset_key())
             target_source = target_source or preset.target
             draft_source = draft_source or preset.draft
+            eagle_head = eagle_head or preset_eagle_head(preset, target_source)
         needs_draft = any(
             needs_draft_model(m) and not (drafts_with_other_tokenizer(m) and args.uag_draft) for m in modes
         )
@@ -607,6 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ngram_prefer=args.ngram_prefer,
             ngram_max=args.ngram_max,
             medusa_heads=args.medusa_heads,
+            eagle_head=eagle_head,
         )
         spec.validate()
         SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed).validate()

@@ -62,9 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     race.add_argument("--target", help="target model: offline:NAME, Hub id, local folder or .gguf file")
     race.add_argument("--draft", help="draft model (same sources as --target)")
     race.add_argument(
-        "--mode", default="draft", help="speculative mode: draft, ngram, uag, medusa or medusa-chain (default draft)"
+        "--mode", default="draft",
+        help="speculative mode: draft, ngram, uag, medusa, medusa-chain, eagle or eagle-chain (default draft)",
     )
     race.add_argument("--medusa-heads", help="Medusa heads folder (default: the offline target's shipped heads)")
+    race.add_argument("--eagle-head", help="EAGLE-3 head, a folder or Hub id (default: the target's shipped head, or "
+                      "the pair preset's)")
     race.add_argument("--num-draft-tokens", dest="num_draft_tokens", default="adaptive", metavar="K",
                       help="k, 'adaptive' (cost-aware) or 'heuristic' (+2/-1)")
     race.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
@@ -130,7 +133,7 @@ def race_log(args: argparse.Namespace, show_progress: bool) -> RaceLog:
         prompt = args.prompt
     config = SessionConfig(
         pair=args.pair, device=args.device, dtype=args.dtype, max_new_tokens_limit=32768,
-        medusa_heads=args.medusa_heads,
+        medusa_heads=args.medusa_heads, eagle_head=args.eagle_head,
     )
     racer = Racer(config)
     request = RaceRequest(

@@ -111,6 +111,7 @@ class RecordedTarget:
         all_logits: bool = True,
         parents: Sequence[int] | None = None,
         with_hidden: bool = True,
+        hidden_layers: Sequence[int] | None = None,
     ) -> TargetPass:
         count = int(input_ids.numel())
         if self._prompted:

@@ -22,7 +22,7 @@ from tiny import llama
 
 
 def test_every_mode_is_one_descriptor_with_its_options():
-    assert list(METHODS) == ["draft", "medusa", "medusa-chain", "ngram", "uag"]  # in the order of the file names
+    assert list(METHODS) == ["draft", "eagle", "eagle-chain", "medusa", "medusa-chain", "ngram", "uag"]  # file names
     for name, method in METHODS.items():
         assert method.name == name and method.label and callable(method.build)
         assert dataclasses.is_dataclass(method.options), name
@@ -30,14 +30,15 @@ def test_every_mode_is_one_descriptor_with_its_options():
         # every option a method reads is a field of SpecSettings, under the same name
         assert {f.name for f in dataclasses.fields(method.options)} <= {f.name for f in dataclasses.fields(SpecSettings)}
     assert [n for n, m in METHODS.items() if m.needs_draft_model] == ["draft", "uag"]
-    assert [n for n, m in METHODS.items() if m.drafts_for_free] == ["medusa", "medusa-chain", "ngram"]
-    assert [n for n, m in METHODS.items() if m.proposes_trees] == ["medusa"]
-    assert [n for n, m in METHODS.items() if m.needs_hidden_states] == ["medusa", "medusa-chain"]
+    assert [n for n, m in METHODS.items() if m.drafts_for_free] == ["eagle", "eagle-chain", "medusa", "medusa-chain",
+                                                                     "ngram"]
+    assert [n for n, m in METHODS.items() if m.proposes_trees] == ["eagle", "medusa"]
+    assert [n for n, m in METHODS.items() if m.needs_hidden_states] == ["eagle", "eagle-chain", "medusa", "medusa-chain"]
     assert [n for n, m in METHODS.items() if m.other_tokenizer] == ["uag"]
 
 
 def test_unknown_modes_and_bad_options_are_refused_in_one_line():
-    with pytest.raises(InputError, match="unknown mode 'nope'; choose one of: draft, medusa, medusa-chain, ngram, uag"):
+    with pytest.raises(InputError, match="unknown mode 'nope'; choose one of: draft, eagle, eagle-chain, medusa, medusa-chain, ngram, uag"):
         get_method("nope")
     with pytest.raises(InputError, match="n-gram sizes"):
         SpecSettings(mode="draft", ngram_min=3, ngram_max=2).validate()  # every knob is checked, whatever the mode

@@ -115,3 +115,21 @@ def save_tiny_heads(folder, hidden: int = 64, vocab: int = 320, num_heads: int =
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
     heads.save(Path(folder), torch.float32)
     return str(folder)
+
+
+def save_tiny_eagle_head(folder, hidden: int = 64, vocab: int = 320, layers: int = 2, draft_vocab: int = 128,
+                         seed: int = 0) -> str:
+    """A random EAGLE-3 head for a tiny target (this project's layout; the lowest ``draft_vocab`` ids drafted),
+    saved as a folder; return its path."""
+    from pathlib import Path
+
+    from specdemo.methods.eagle import EagleConfig, EagleHead, default_hidden_layers, save_head
+
+    head = EagleHead(EagleConfig(hidden, 4, 2, hidden // 4, 2 * hidden, vocab, draft_vocab,
+                                 default_hidden_layers(layers)))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    save_head(head, Path(folder), torch.float32)
+    return str(folder)

@@ -54,9 +54,15 @@ class CachedLM:
         all_logits: bool = True,
         parents: Sequence[int] | None = None,
         with_hidden: bool = True,
+        hidden_layers: Sequence[int] | None = None,
     ) -> TargetPass:
         """One pass over ``input_ids`` after the cached sequence, returning logits and (``with_hidden``) the final
         hidden states; the plain baseline asks for none, so it does exactly what ``generate`` does.
+
+        ``hidden_layers`` (with ``with_hidden``): the hidden states of these layers instead, concatenated
+        ([n, len(hidden_layers) * H], for every new token even when ``all_logits`` is False): indices into
+        transformers' ``output_hidden_states`` (0 the embeddings, i the output of decoder layer i; the last, the
+        final post-norm state). EAGLE-3 reads three of them.
 
         ``parents``: the new tokens form a tree (``parents[i]`` is the index of token i's parent among the new
         tokens, -1 for a token that follows the cached sequence): each token attends to the cache and its own
@@ -81,10 +87,16 @@ class CachedLM:
             **extra,
         )
         self.length += int(ids.shape[1])
-        hidden = out.hidden_states[-1][0] if with_hidden and out.hidden_states is not None else None
-        if hidden is not None and not all_logits:
-            hidden = hidden[-1:]
-        return TargetPass(out.logits[0], hidden)
+        if not with_hidden or out.hidden_states is None:
+            return TargetPass(out.logits[0], None)
+        if hidden_layers is not None:
+            states = out.hidden_states
+            if any(not 0 <= layer < len(states) for layer in hidden_layers):
+                raise ValueError(f"hidden layers {tuple(hidden_layers)} asked of a model with {len(states)} hidden "
+                                 "states (the embeddings and one per decoder layer)")
+            return TargetPass(out.logits[0], torch.cat([states[layer][0] for layer in hidden_layers], dim=-1))
+        hidden = out.hidden_states[-1][0]
+        return TargetPass(out.logits[0], hidden if all_logits else hidden[-1:])
 
     @torch.inference_mode()
     def keep(self, num_new: int, rows: Sequence[int]) -> None:

@@ -81,11 +81,13 @@ def _prefill(
     generator: torch.Generator | None,
     clock: Clock,
     with_hidden: bool,
+    layers: dict[str, tuple[int, ...]] | None = None,
 ) -> tuple[int, TargetPass, float]:
-    """The prompt's pass: the first new token, the pass (its last position) and the seconds it took."""
+    """The prompt's pass: the first new token, the pass (its last position) and the seconds it took. ``layers``:
+    ``{"hidden_layers": ...}`` for a drafter that reads chosen layers' states (of every prompt position)."""
     start = clock()
     target.reset()
-    prefill = target.run(prompt, all_logits=False, with_hidden=with_hidden)
+    prefill = target.run(prompt, all_logits=False, with_hidden=with_hidden, **(layers or {}))
     token = choose_token(prefill.logits[-1], sampling, generator)
     return token, prefill, clock() - start
 
@@ -170,16 +172,20 @@ def speculative_decode(
     sampling settings use rejection sampling. A drafter may propose a tree (greedy only): it is verified in the same
     one pass with a tree attention mask and its deepest matching path is kept. The target cache keeps the accepted
     rows and drops the rest, never recomputing anything. The target computes hidden states only for a drafter that
-    reads them. ``clock``: seconds for timing (default: the target device's wall clock).
+    reads them, and the states of the layers a drafter names in its ``hidden_layers`` (EAGLE) only for it.
+    ``clock``: seconds for timing (default: the target device's wall clock).
     """
     settings.validate()
     sampling, device, hidden = settings.sampling, target.device, drafter.needs_hidden_states
+    hidden_layers = getattr(drafter, "hidden_layers", None) if hidden else None
+    # passed only when named, so every other drafter's target passes stay exactly what they were
+    layers = {"hidden_layers": tuple(hidden_layers)} if hidden_layers is not None else {}
     prompt = _check_prompt(prompt_ids)
     clock = clock or device_clock(device)
     generator = seeded_generator(sampling.seed, device)
     output, events, counters = _Output(settings, eos_token_ids), EventMaker(tokenizer, settings, side), Counters()
 
-    token, prefill, seconds = _prefill(target, prompt, sampling, generator, clock, hidden)
+    token, prefill, seconds = _prefill(target, prompt, sampling, generator, clock, hidden, layers)
     drafter.start(prompt_ids, prefill)
     counters.prefill_seconds += seconds
     counters.target_passes += 1
@@ -198,7 +204,8 @@ def speculative_decode(
         drafted_at = clock()
         parents = chain_parents(len(draft)) if proposal.parents is None else proposal.parents
         verify_input = torch.cat([torch.tensor([context[-1]], device=device), draft])
-        target_pass = target.run(verify_input, parents=[-1] + [p + 1 for p in parents], with_hidden=hidden)
+        tree_parents = [-1] + [p + 1 for p in parents]
+        target_pass = target.run(verify_input, parents=tree_parents, with_hidden=hidden, **layers)
         verdict, target_probs = _accept(draft, proposal, target_pass.logits, sampling, generator)
         target.keep(len(draft) + 1, [0] + [node + 1 for node in verdict.accepted_nodes])
         verified_at = clock()

@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TargetPass:
-    """What one target forward pass gives: logits [n, V] and the final (post-norm) hidden states [n, H]."""
+    """What one target forward pass gives: logits [n, V] and hidden states: the final (post-norm) ones [n, H], or,
+    for a pass asked for ``hidden_layers``, those layers' states side by side [n, len(hidden_layers) * H]."""
 
     logits: torch.Tensor
     hidden_states: torch.Tensor | None = None
@@ -44,10 +45,14 @@ class LanguageModel(Protocol):
         all_logits: bool = True,
         parents: Sequence[int] | None = None,
         with_hidden: bool = True,
+        hidden_layers: Sequence[int] | None = None,
     ) -> TargetPass:
         """One pass over ``input_ids`` after the cached sequence: logits for every new token (``all_logits``) or
         the last one; ``parents``: the new tokens form a tree (None or ``[-1, 0, 1, ...]``: a chain); the final
-        hidden states too when ``with_hidden``."""
+        hidden states too when ``with_hidden``. ``hidden_layers`` (with ``with_hidden``): instead of the final
+        hidden states, the states of these layers (indices into transformers' ``output_hidden_states``: 0 the
+        embeddings, i the output of decoder layer i), concatenated, for every new token whatever ``all_logits``
+        says (a drafter on the target's features reads the whole prompt)."""
         ...
 
     def keep(self, num_new: int, rows: Sequence[int]) -> None:
@@ -93,7 +98,9 @@ class Drafter(Protocol):
 
     name: str
     #: the drafter reads the target's final hidden states (from the prompt pass and every verify pass); the loop
-    #: asks the target for them only then
+    #: asks the target for them only then. A drafter that reads other layers' states names them in an optional
+    #: attribute ``hidden_layers`` (a sequence of layer indices, see :meth:`LanguageModel.run`), which the loop
+    #: passes on to every target pass.
     needs_hidden_states: bool
 
     def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None: ...

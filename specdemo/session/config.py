@@ -61,6 +61,8 @@ class SessionConfig:
     max_prompt_tokens: int | None = None  # cap on prompt tokens; None: 2,048 on a CPU, more on a GPU
     race_time_budget: float | None = None  # seconds of wall clock per race before it stops; None: no limit
     medusa_heads: str | None = None  # Medusa heads folder for the medusa modes; None: the target's shipped heads
+    #: EAGLE-3 head (folder or Hub id) for the eagle modes; None: the head shipped for the target, or its preset's
+    eagle_head: str | None = None
     calibrate: bool = True  # measure (once per machine, model and format) what a pass costs here
     warmup_tokens: int = WARMUP_TOKENS  # the untimed warm-up run the first time a pair and mode race (0: none)
     quantization_reason: str | None = "auto"  # "auto": detect; None: available; text: why it is unavailable

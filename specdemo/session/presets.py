@@ -22,6 +22,8 @@ class PairPreset:
     description: str
     hardware: str
     mode: str = "draft"
+    #: a published EAGLE-3 head for the target (a Hub id), raised for the eagle modes when the user names none
+    eagle_head: str | None = None
     #: the app process's measured resident memory after a race on this pair ("" where nobody measured it yet)
     resident_memory: str = ""
 
@@ -55,6 +57,7 @@ PRESETS: dict[str, PairPreset] = {
             description="Llama-3.1-8B-Instruct drafted by Llama-3.2-1B-Instruct; gated on the Hub: accept Meta's "
             "licence and log in (hf auth login) first.",
             hardware="GPU with ≥24 GB (or ≥12 GB with 8-bit)",
+            eagle_head="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
         ),
         PairPreset(
             key="smollm2-1.7b",
@@ -149,6 +152,13 @@ def default_preset_key() -> str:
     if preset_installed(PRESETS[OFFLINE_PRESET_KEY]):
         return OFFLINE_PRESET_KEY
     return "qwen2.5-7b" if _cuda_available() else "smollm2-1.7b"
+
+
+def preset_eagle_head(preset: PairPreset | None, target_source: str) -> str | None:
+    """The published EAGLE-3 head of ``preset``'s target when ``target_source`` is that target, else None."""
+    if preset is None or target_source != preset.target:
+        return None
+    return preset.eagle_head
 
 
 def preset_choices() -> list[tuple[str, str]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 from ..backends.loading import FORMATS, LoadedModel
@@ -20,7 +20,7 @@ from ..core.errors import InputError, first_line
 from ..core.settings import GenerationSettings, SamplingSettings
 from ..methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, get_method
 from .config import SessionConfig
-from .presets import PairPreset
+from .presets import PairPreset, preset_eagle_head
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +209,7 @@ def check_request(request: RaceRequest, config: SessionConfig) -> Checked:
         spec = SpecSettings(
             mode=request.mode, num_draft_tokens=parse_num_draft_tokens(request.num_draft_tokens),
             medusa_heads=config.medusa_heads,
+            eagle_head=config.eagle_head,
         )
         spec.validate()
     with _blame("temperature"):
@@ -237,4 +238,6 @@ def check_request(request: RaceRequest, config: SessionConfig) -> Checked:
                 raise InputError(reason)
     with _blame("pair"):
         target_source, draft_source, preset = resolve_sources(request, config)
+    if spec.eagle_head is None and preset_eagle_head(preset, target_source) is not None:
+        spec = replace(spec, eagle_head=preset_eagle_head(preset, target_source))  # the preset target's head
     return Checked(settings, spec, dtype, quantization, target_source, draft_source, preset, max_prompt_tokens)
