@@ -24,15 +24,6 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .core.economics import CostCurve
-from .core.files import write_json_atomic
-from .session.calibration import FormatChoice, choose_format
-from .methods.ngram import NGRAM_PREFERENCES
-from .core.events import Counters, RoundEvent
-from .core.settings import GenerationSettings
-from .core.loop import collect
-from .core.clock import now
-from .core.metrics import compare, decode_rate, decode_speedup, run_metrics
 from .backends.loading import (
     LoadedModel,
     LoadSettings,
@@ -43,9 +34,21 @@ from .backends.loading import (
     resolve_format,
 )
 from .backends.offline import OfflinePackError
+from .core.clock import now
+from .core.economics import CostCurve
+from .core.errors import InputError
+from .core.events import Counters, RoundEvent
+from .core.files import write_json_atomic
+from .core.loop import collect
+from .core.metrics import compare, decode_rate, decode_speedup, run_metrics
+from .core.settings import GenerationSettings, SamplingSettings
 from .methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, check_pair
+from .methods.ngram import NGRAM_PREFERENCES
+from .session.calibration import FormatChoice, choose_format
 from .session.config import WARMUP_TOKENS
 from .session.pipeline import encode_prompt, plain_events, spec_events
+from .session.presets import PRESETS, default_preset_key, get_preset, preset_eagle_head
+from .session.prompts import Prompt, PromptFileError, load_prompts
 from .session.racer import calibrate_pair, compare_outputs, warm_up
 from .session.request import (
     DTYPES,
@@ -56,10 +59,6 @@ from .session.request import (
     parse_num_draft_tokens,
 )
 from .session.results import Divergence, RunResult, rate_ratio
-from .core.errors import InputError
-from .session.presets import default_preset_key, get_preset, preset_eagle_head, PRESETS
-from .session.prompts import Prompt, PromptFileError, load_prompts
-from .core.settings import SamplingSettings
 
 logger = logging.getLogger(__name__)
 

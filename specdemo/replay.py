@@ -41,7 +41,7 @@ from .backends.offline import OfflinePackError
 from .core.clock import SimulatedClock
 from .core.economics import CostCurve
 from .core.loop import collect, speculative_decode
-from .core.protocol import DraftLengthPolicy, Drafter, TargetPass
+from .core.protocol import Drafter, DraftLengthPolicy, TargetPass
 from .core.settings import GenerationSettings
 from .core.tree import tree_depths
 from .methods import SpecSettings

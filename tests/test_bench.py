@@ -9,13 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny import save_tiny_heads, save_tiny_pair
 
 from specdemo import bench
 from specdemo.backends.loading import clear_model_cache
 from specdemo.session.results import RunResult, divergence
-
-from tiny import save_tiny_heads, save_tiny_pair
-
 
 pytestmark = pytest.mark.usefixtures("own_cache")
 
@@ -194,7 +192,6 @@ def test_the_command_line_front_ends_import_no_gradio():
 @pytest.fixture(scope="module")
 def other_tokenizer_draft(tmp_path_factory) -> str:
     from test_detok import build_sentencepiece_byte_fallback
-
     from tiny import llama
 
     tokenizer = build_sentencepiece_byte_fallback()

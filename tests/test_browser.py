@@ -27,6 +27,7 @@ if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
     pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install -y chromium", allow_module_level=True)
 
 import tiny_app  # noqa: E402
+
 from specdemo.app import ui  # noqa: E402
 
 PROMPT = "hello world the cat sat on the mat"

@@ -8,13 +8,13 @@ import statistics
 
 import pytest
 import torch
-
-from specdemo.core import economics
-from specdemo.session import calibration
-from specdemo.core.economics import CostCurve, Hardware
-from specdemo.session.calibration import calibrate, detect_hardware
-from specdemo.backends.loading import LoadedModel, LoadSettings
 from tiny import llama
+
+from specdemo.backends.loading import LoadedModel, LoadSettings
+from specdemo.core import economics
+from specdemo.core.economics import CostCurve, Hardware
+from specdemo.session import calibration
+from specdemo.session.calibration import calibrate, detect_hardware
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -256,8 +256,8 @@ def test_calibrated_costs_count_at_the_speed_the_machine_runs_now() -> None:
 
 def test_the_drafter_books_its_catch_up_apart() -> None:
     """After plain steps the draft model catches up in a pass of its own, timed apart from drafting."""
-    from specdemo.methods.draft_model import DraftModelDrafter
     from specdemo.core.settings import SamplingSettings
+    from specdemo.methods.draft_model import DraftModelDrafter
 
     drafter = DraftModelDrafter(llama(3), SamplingSettings(), target_vocab_size=96, int8=False)
     prompt = list(range(10, 30))

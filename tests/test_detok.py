@@ -12,7 +12,14 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import (  # noqa: E402
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from specdemo.core.detok import IncrementalDetokenizer  # noqa: E402

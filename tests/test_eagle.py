@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_medusa import random_heads
+from test_sampling import ALPHA, _chi_square_p
+from tiny import VOCAB, llama, qwen2, save_tiny_eagle_head, save_tiny_pair
 
 from specdemo.backends.formats import INT8, W8A8, to_int8_format
 from specdemo.backends.loading import LoadedModel, LoadSettings
@@ -18,8 +21,13 @@ from specdemo.core.errors import InputError
 from specdemo.core.events import ACCEPTED
 from specdemo.core.loop import collect, plain_decode, speculative_decode
 from specdemo.core.settings import GenerationSettings, SamplingSettings
-from specdemo.methods import METHODS, SpecSettings, make_drafter, make_spec_policy
-from specdemo.methods import eagle
+from specdemo.methods import (
+    METHODS,
+    SpecSettings,
+    eagle,
+    make_drafter,
+    make_spec_policy,
+)
 from specdemo.methods.draft_length import FixedDraftLength, TreeBudget, make_policy
 from specdemo.methods.eagle import (
     EagleConfig,
@@ -35,10 +43,6 @@ from specdemo.methods.eagle import (
 from specdemo.methods.medusa import MedusaDrafter
 from specdemo.methods.ngram import NgramDrafter
 from specdemo.session.pipeline import plain_events, spec_events
-
-from test_medusa import random_heads
-from test_sampling import ALPHA, _chi_square_p
-from tiny import VOCAB, llama, qwen2, save_tiny_eagle_head, save_tiny_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

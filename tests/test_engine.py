@@ -9,18 +9,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import VOCAB, gpt2, llama, qwen2, reference_greedy
 
-from specdemo.methods.draft_length import CostAwareDraftLength, FixedDraftLength, HeuristicDraftLength, make_policy
-from specdemo.methods.draft_model import DraftModelDrafter
-from specdemo.methods.ngram import NgramDrafter
 from specdemo.backends.formats import ROW_WISE_MAX_QUERIES
 from specdemo.backends.transformers_lm import CachedLM
 from specdemo.core.events import ACCEPTED, BONUS, CORRECTED, PLAIN
 from specdemo.core.loop import collect, plain_decode, speculative_decode
-from specdemo.core.settings import MAX_NUM_DRAFT_TOKENS, GenerationSettings, SamplingSettings
+from specdemo.core.settings import (
+    MAX_NUM_DRAFT_TOKENS,
+    GenerationSettings,
+    SamplingSettings,
+)
 from specdemo.core.tree import chain_parents, is_chain
-
-from tiny import VOCAB, gpt2, llama, qwen2, reference_greedy
+from specdemo.methods.draft_length import (
+    CostAwareDraftLength,
+    FixedDraftLength,
+    HeuristicDraftLength,
+    make_policy,
+)
+from specdemo.methods.draft_model import DraftModelDrafter
+from specdemo.methods.ngram import NgramDrafter
 
 PROMPTS = [
     [5, 7, 9, 11, 5, 7, 9, 3, 2, 1],

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_medusa import GREEDY, PROMPTS, plain_ids, random_heads
+from tiny import VOCAB, gpt2, llama, qwen2
 
-from specdemo.methods.draft_length import FixedDraftLength, TreeBudget, make_policy
-from specdemo.methods.draft_model import DraftModelDrafter
-from specdemo.methods.ngram import NgramDrafter
-from specdemo.core.settings import GenerationSettings
-from specdemo.core.loop import collect, speculative_decode
 from specdemo.backends.formats import (
     INT8,
     W8A8,
@@ -24,9 +21,6 @@ from specdemo.backends.formats import (
     row_wise_attention,
     to_int8_format,
 )
-from specdemo.backends.transformers_lm import CachedLM
-from specdemo.core.tree import tree_attention_mask
-from specdemo.methods.medusa import MedusaDrafter
 from specdemo.backends.loading import (
     LoadedModel,
     LoadSettings,
@@ -36,10 +30,14 @@ from specdemo.backends.loading import (
     resolve_dtype,
     resolve_format,
 )
-
-from test_medusa import GREEDY, PROMPTS, plain_ids, random_heads
-from tiny import VOCAB, gpt2, llama, qwen2
-
+from specdemo.backends.transformers_lm import CachedLM
+from specdemo.core.loop import collect, speculative_decode
+from specdemo.core.settings import GenerationSettings
+from specdemo.core.tree import tree_attention_mask
+from specdemo.methods.draft_length import FixedDraftLength, TreeBudget, make_policy
+from specdemo.methods.draft_model import DraftModelDrafter
+from specdemo.methods.medusa import MedusaDrafter
+from specdemo.methods.ngram import NgramDrafter
 
 #: every int8-weight format, for the tests that hold for each
 FORMATS = pytest.mark.parametrize("fmt", [INT8, W8A8])

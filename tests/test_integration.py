@@ -6,14 +6,13 @@ Runs when the offline model pack is installed; skips with the install command ot
 from __future__ import annotations
 
 import pytest
+from tiny import reference_greedy
 
-from specdemo.core.settings import GenerationSettings
-from specdemo.core.loop import collect
 from specdemo.backends.offline import offline_installed
+from specdemo.core.loop import collect
+from specdemo.core.settings import GenerationSettings
 from specdemo.methods import SpecSettings
 from specdemo.session.pipeline import encode_prompt, plain_events, spec_events
-
-from tiny import reference_greedy
 
 INSTALLED = offline_installed("qwen2.5-coder-1.5b") and offline_installed("qwen2.5-coder-0.5b")
 pytestmark = pytest.mark.skipif(

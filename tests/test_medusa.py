@@ -6,20 +6,23 @@ import json
 
 import pytest
 import torch
-
-from specdemo.methods.draft_length import FixedDraftLength, TreeBudget
-from specdemo.core.events import ACCEPTED, REJECTED
-from specdemo.core.settings import GenerationSettings
-from specdemo.core.loop import collect, plain_decode, speculative_decode
-from specdemo.backends.transformers_lm import CachedLM
-from specdemo.core.tree import tree_attention_mask, tree_depths
-from specdemo.methods.medusa import MedusaConfig, MedusaDrafter, MedusaHeads, MedusaLoadError, load_heads
-from specdemo.core.tree import build_tree
-from specdemo.core.files import file_sha256
-from specdemo.core.settings import SamplingSettings
-from specdemo.core.acceptance import accept_greedy_tree
-
 from tiny import VOCAB, gpt2, llama, qwen2
+
+from specdemo.backends.transformers_lm import CachedLM
+from specdemo.core.acceptance import accept_greedy_tree
+from specdemo.core.events import ACCEPTED, REJECTED
+from specdemo.core.files import file_sha256
+from specdemo.core.loop import collect, plain_decode, speculative_decode
+from specdemo.core.settings import GenerationSettings, SamplingSettings
+from specdemo.core.tree import build_tree, tree_attention_mask, tree_depths
+from specdemo.methods.draft_length import FixedDraftLength, TreeBudget
+from specdemo.methods.medusa import (
+    MedusaConfig,
+    MedusaDrafter,
+    MedusaHeads,
+    MedusaLoadError,
+    load_heads,
+)
 
 GREEDY = SamplingSettings()
 PROMPTS = [[5, 7, 9, 11, 5, 7, 9, 3, 2, 1], [1], [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]]

@@ -7,18 +7,17 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from tiny import llama
 
 import specdemo.methods as methods
 from specdemo.backends.loading import LoadedModel, LoadSettings
 from specdemo.core.errors import InputError
-from specdemo.core.settings import GenerationSettings
 from specdemo.core.loop import collect
+from specdemo.core.protocol import Proposal
+from specdemo.core.settings import GenerationSettings
 from specdemo.methods import METHODS, SpecSettings, get_method, make_drafter
 from specdemo.methods.base import BuildContext, Method
-from specdemo.core.protocol import Proposal
 from specdemo.session.pipeline import plain_events, spec_events
-
-from tiny import llama
 
 
 def test_every_mode_is_one_descriptor_with_its_options():

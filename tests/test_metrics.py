@@ -3,7 +3,11 @@
 import pytest
 
 from specdemo.core import economics
-from specdemo.core.economics import expected_speedup, expected_tokens, expected_tokens_per_pass
+from specdemo.core.economics import (
+    expected_speedup,
+    expected_tokens,
+    expected_tokens_per_pass,
+)
 from specdemo.core.events import Counters
 from specdemo.core.metrics import compare, decode_rate, run_metrics
 

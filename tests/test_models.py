@@ -13,8 +13,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdemo.backends import loading as sm
 from specdemo.backends import offline
+from specdemo.backends.loading import (
+    LoadSettings,
+    ModelLoadError,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
 from specdemo.session import presets
-from specdemo.backends.loading import LoadSettings, ModelLoadError, load_model, resolve_device, resolve_dtype
 
 CPU32 = LoadSettings(dtype="float32", device="cpu")
 

@@ -1,8 +1,8 @@
 """The n-gram (prompt lookup) matcher."""
 
-from specdemo.methods.ngram import NgramDrafter, NgramIndex
-from specdemo.core.protocol import Proposal, RoundResult
 from specdemo.core.acceptance import Verdict
+from specdemo.core.protocol import Proposal, RoundResult
+from specdemo.methods.ngram import NgramDrafter, NgramIndex
 
 
 def test_longest_suffix_match_wins():

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from specdemo.session.prompts import Prompt, PromptFileError, bundled_prompts_path, categories_of, load_prompts
+from specdemo.session.prompts import (
+    Prompt,
+    PromptFileError,
+    bundled_prompts_path,
+    categories_of,
+    load_prompts,
+)
 
 EXPECTED_CATEGORIES = ["chat", "code-writing", "code-editing", "summarization", "translation", "math"]
 SPECBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "specbench" / "question.jsonl"

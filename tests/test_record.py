@@ -16,14 +16,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 import tiny_app
-from specdemo.render import html_replay, recording, video
-from specdemo.session import racelog
+
 from specdemo import record
-from specdemo.app import handlers as app_handlers, ui
+from specdemo.app import handlers as app_handlers
+from specdemo.app import ui
 from specdemo.app.recorder import Recorder
+from specdemo.render import html_replay, recording, video
 from specdemo.render.views import pane_html
+from specdemo.session import racelog
 from specdemo.session.racelog import RaceLog, RaceLogError
 from specdemo.session.racer import TIME_BUDGET, Racer
 from specdemo.session.request import RaceRequest

@@ -7,17 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import qwen2, reference_greedy, save_tiny_pair
 
 from specdemo import bench, replay
-from specdemo.methods.ngram import NgramDrafter
-from specdemo.methods.draft_length import FixedDraftLength
+from specdemo.backends.loading import clear_model_cache
+from specdemo.backends.transformers_lm import CachedLM
 from specdemo.core.clock import SimulatedClock
 from specdemo.core.loop import collect, speculative_decode
 from specdemo.core.settings import GenerationSettings
-from specdemo.backends.transformers_lm import CachedLM
-from specdemo.backends.loading import clear_model_cache
-
-from tiny import save_tiny_pair, qwen2, reference_greedy
+from specdemo.methods.draft_length import FixedDraftLength
+from specdemo.methods.ngram import NgramDrafter
 
 pytestmark = pytest.mark.usefixtures("own_cache")
 

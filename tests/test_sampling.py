@@ -12,17 +12,16 @@ import itertools
 import pytest
 import torch
 from scipy.stats import chisquare
+from tiny import llama
 
-from specdemo.methods.draft_length import FixedDraftLength
-from specdemo.methods.draft_model import DraftModelDrafter
-from specdemo.methods.ngram import NgramDrafter
-from specdemo.methods.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
 from specdemo.backends.transformers_lm import CachedLM
 from specdemo.core.acceptance import accept_sampling, target_distribution, warp_logits
 from specdemo.core.loop import collect, plain_decode, speculative_decode
 from specdemo.core.settings import GenerationSettings, SamplingSettings
-
-from tiny import llama
+from specdemo.methods.draft_length import FixedDraftLength
+from specdemo.methods.draft_model import DraftModelDrafter
+from specdemo.methods.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+from specdemo.methods.ngram import NgramDrafter
 
 ALPHA = 1e-3
 

@@ -9,14 +9,14 @@ import time
 import weakref
 
 import pytest
+import tiny_app
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import tiny_app
-from specdemo.backends import int8 as drafters
-from specdemo.backends import loading as models
 from specdemo.app.config import AppConfig
 from specdemo.app.handlers import status_text
+from specdemo.backends import int8 as drafters
+from specdemo.backends import loading as models
 from specdemo.backends.loading import LoadSettings, cache_key
 from specdemo.core.errors import InputError
 from specdemo.render.views import identical_html

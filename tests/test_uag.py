@@ -6,12 +6,19 @@ import functools
 
 import pytest
 import torch
+from test_detok import (
+    TRICKY,
+    build_byte_level,
+    build_metaspace,
+    build_sentencepiece_byte_fallback,
+)
+from test_sampling import _chi_square_p
+from tiny import llama, reference_greedy
 
-from specdemo.methods.draft_length import FixedDraftLength, make_policy
-from specdemo.core.settings import GenerationSettings
-from specdemo.core.loop import collect, speculative_decode
 from specdemo.backends.transformers_lm import CachedLM
-from specdemo.core.settings import SamplingSettings
+from specdemo.core.loop import collect, speculative_decode
+from specdemo.core.settings import GenerationSettings, SamplingSettings
+from specdemo.methods.draft_length import FixedDraftLength, make_policy
 from specdemo.methods.uag import (
     UniversalDrafter,
     reencode_after,
@@ -20,10 +27,6 @@ from specdemo.methods.uag import (
     to_target_tokens,
     token_bytes,
 )
-
-from test_sampling import _chi_square_p
-from test_detok import TRICKY, build_byte_level, build_sentencepiece_byte_fallback, build_metaspace
-from tiny import llama, reference_greedy
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,13 +10,22 @@ from html import unescape
 import gradio as gr
 import pandas as pd
 import pytest
-
 import tiny_app
-from specdemo.app import charts, handlers as app_handlers, ui
+
+from specdemo.app import charts, ui
+from specdemo.app import handlers as app_handlers
 from specdemo.app.config import AppConfig
-from specdemo.core.errors import InputError
-from specdemo.core.events import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, TokenEvent
 from specdemo.app.spaces import gpu
+from specdemo.core.errors import InputError
+from specdemo.core.events import (
+    ACCEPTED,
+    BONUS,
+    CORRECTED,
+    PLAIN,
+    REJECTED,
+    Counters,
+    TokenEvent,
+)
 from specdemo.methods import MAX_NUM_DRAFT_TOKENS, METHODS
 from specdemo.render.views import (
     CSS,
@@ -28,7 +37,13 @@ from specdemo.render.views import (
     token_title,
 )
 from specdemo.session import racer as racer_module
-from specdemo.session.request import DTYPES, RaceRequest, parse_max_new_tokens, parse_num_draft_tokens, parse_seed
+from specdemo.session.request import (
+    DTYPES,
+    RaceRequest,
+    parse_max_new_tokens,
+    parse_num_draft_tokens,
+    parse_seed,
+)
 from specdemo.session.state import RaceState
 
 SPAN = re.compile(r'<span class="tok tok-(\w+)" title="([^"]*)">(.*?)</span>', re.S)
@@ -374,8 +389,8 @@ def test_app_arguments() -> None:
 
 
 def test_uag_presets_select_the_uag_mode():
-    from specdemo.session.presets import PRESETS
     from specdemo.app.ui import mode_for_pair
+    from specdemo.session.presets import PRESETS
 
     config = AppConfig()
     assert mode_for_pair(config, "offline-smollm-qwen-coder", "draft") == "uag"

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 VOCAB = 96
 
@@ -123,7 +130,12 @@ def save_tiny_eagle_head(folder, hidden: int = 64, vocab: int = 320, layers: int
     saved as a folder; return its path."""
     from pathlib import Path
 
-    from specdemo.methods.eagle import EagleConfig, EagleHead, default_hidden_layers, save_head
+    from specdemo.methods.eagle import (
+        EagleConfig,
+        EagleHead,
+        default_hidden_layers,
+        save_head,
+    )
 
     head = EagleHead(EagleConfig(hidden, 4, 2, hidden // 4, 2 * hidden, vocab, draft_vocab,
                                  default_hidden_layers(layers)))

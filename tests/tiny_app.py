@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 import socket
 import time
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch

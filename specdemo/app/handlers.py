@@ -16,11 +16,23 @@ from typing import Any, Callable, Iterator, Sequence
 import gradio as gr
 
 from ..core.errors import InputError, first_line
-from ..render.views import figures_html, identical_html, pane_html, pane_stats_html, pane_titles, speedup_html
+from ..render.views import (
+    figures_html,
+    identical_html,
+    pane_html,
+    pane_stats_html,
+    pane_titles,
+    speedup_html,
+)
 from ..session.racer import Prepared, Racer, log_refusal, race_settings
 from ..session.request import RaceRequest
 from ..session.state import RaceState, progress_dict, result_dict
-from .charts import acceptance_position_frame, accepted_length_frame, cost_plot_update, race_frame
+from .charts import (
+    acceptance_position_frame,
+    accepted_length_frame,
+    cost_plot_update,
+    race_frame,
+)
 from .config import AppConfig
 from .spaces import gpu
 

@@ -16,10 +16,23 @@ from typing import Any
 
 import gradio as gr
 
-from ..backends.loading import LoadSettings, ModelLoadError, resolve_device, resolve_format
+from ..backends.loading import (
+    LoadSettings,
+    ModelLoadError,
+    resolve_device,
+    resolve_format,
+)
 from ..core.errors import InputError
 from ..methods import METHODS
-from ..render.views import CSS, figures_html, identical_html, legend_html, pane_stats_html, pane_titles, speedup_html
+from ..render.views import (
+    CSS,
+    figures_html,
+    identical_html,
+    legend_html,
+    pane_stats_html,
+    pane_titles,
+    speedup_html,
+)
 from ..session.calibration import PASS_LENGTHS, cached_format_choice
 from ..session.request import DTYPES
 from ..session.state import PaneState

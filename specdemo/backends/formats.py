@@ -37,9 +37,9 @@ import weakref
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.pytorch_utils import Conv1D
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.pytorch_utils import Conv1D
 
 from ..core.settings import MAX_NUM_DRAFT_TOKENS
 

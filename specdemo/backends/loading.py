@@ -19,12 +19,16 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-
-from . import formats, offline
-from .memory import return_free_memory
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from ..core.errors import first_line
+from . import formats, offline
+from .memory import return_free_memory
 
 logger = logging.getLogger(__name__)
 

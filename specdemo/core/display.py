@@ -17,9 +17,18 @@ from transformers import PreTrainedTokenizerBase
 
 from .acceptance import Verdict, target_distribution
 from .detok import IncrementalDetokenizer
-from .events import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, RoundEvent, TokenEvent
-from .settings import GenerationSettings
+from .events import (
+    ACCEPTED,
+    BONUS,
+    CORRECTED,
+    PLAIN,
+    REJECTED,
+    Counters,
+    RoundEvent,
+    TokenEvent,
+)
 from .protocol import Proposal
+from .settings import GenerationSettings
 from .tree import chain_parents
 
 logger = logging.getLogger(__name__)

@@ -23,11 +23,25 @@ from typing import Iterator, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .acceptance import Verdict, accept_greedy, accept_greedy_tree, accept_sampling, choose_token, target_distribution
+from .acceptance import (
+    Verdict,
+    accept_greedy,
+    accept_greedy_tree,
+    accept_sampling,
+    choose_token,
+    target_distribution,
+)
 from .clock import Clock, device_clock
 from .display import EventMaker, VerifyRound
 from .events import Counters, RoundEvent
-from .protocol import DraftLengthPolicy, Drafter, LanguageModel, Proposal, RoundResult, TargetPass
+from .protocol import (
+    Drafter,
+    DraftLengthPolicy,
+    LanguageModel,
+    Proposal,
+    RoundResult,
+    TargetPass,
+)
 from .settings import GenerationSettings, SamplingSettings
 from .tree import chain_parents, is_chain, tree_depths
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import InputError
+from ..core.protocol import Drafter, DraftLengthPolicy
 from ..core.settings import MAX_NUM_DRAFT_TOKENS
 from .base import BuildContext, Method, PolicyContext
-from ..core.protocol import DraftLengthPolicy, Drafter
 from .draft_length import make_policy
 
 if TYPE_CHECKING:

@@ -21,13 +21,13 @@ import torch
 from ..backends.transformers_lm import CachedLM
 from ..core.clock import now
 from ..core.loop import seeded_generator
-from ..core.protocol import Drafter
+from ..core.protocol import Drafter, DraftLengthPolicy
+from .draft_length import TreeBudget, make_policy
 
 if TYPE_CHECKING:
     from ..backends.loading import LoadedModel
-    from ..core.settings import GenerationSettings
     from ..core.economics import CostCurve
-    from ..core.protocol import DraftLengthPolicy
+    from ..core.settings import GenerationSettings
 
 logger = logging.getLogger(__name__)
 
@@ -137,3 +137,18 @@ class Method:
     #: whether the draft model runs as an int8 copy (None: the drafter decides), from the options and the pair
     draft_int8: "Callable[[Any, LoadedModel, LoadedModel | None], bool | None] | None" = None
     make_policy: "Callable[[PolicyContext], DraftLengthPolicy] | None" = None
+
+
+def heads_policy(context: PolicyContext, tree: bool, chain_cap: int | None = None) -> DraftLengthPolicy:
+    """The draft-length policy of heads on the target, whose drafts cost next to nothing: a node budget for a
+    greedy adaptive tree (the drafter sizes each tree from the budget's verify costs), else the free-drafts policy
+    with chains of at most ``chain_cap`` tokens (None: no cap beyond the settings')."""
+    if tree and context.settings.sampling.greedy and context.num_draft_tokens == "adaptive":
+        return TreeBudget(max_num_draft_tokens=context.max_num_draft_tokens, prior=context.prior)
+    longest = context.max_num_draft_tokens if chain_cap is None else min(context.max_num_draft_tokens, chain_cap)
+    return make_policy(context.num_draft_tokens, longest, free_drafts=True, prior=context.prior)
+
+
+def tree_verify_cost(policy: DraftLengthPolicy | None, tree: bool) -> Callable[[int], float] | None:
+    """The verify-cost model a tree drafter sizes its trees with (None for a chain or without a node budget)."""
+    return policy.verify_cost if tree and isinstance(policy, TreeBudget) else None

@@ -8,7 +8,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..core.economics import PAYING_ACCEPTANCE, PAYING_SPEEDUP, CostCurve, can_pay, expected_tokens
+from ..core.economics import (
+    PAYING_ACCEPTANCE,
+    PAYING_SPEEDUP,
+    CostCurve,
+    can_pay,
+    expected_tokens,
+)
 from ..core.protocol import DraftLengthPolicy
 from ..core.settings import MAX_NUM_DRAFT_TOKENS
 

@@ -13,12 +13,18 @@ from ..backends.formats import output_rows
 from ..backends.int8 import head_rows, int8_copy, linear_rows
 from ..backends.loading import LoadedModel, same_tokenizer
 from ..backends.transformers_lm import CachedLM
-from ..core.protocol import TargetPass
-from ..core.settings import SamplingSettings
 from ..core.acceptance import target_distribution
 from ..core.errors import InputError
-from .base import BuildContext, Method, catch_up, drafter_generator, head_token_ids, to_target_vocab
-from ..core.protocol import Proposal, RoundResult
+from ..core.protocol import Proposal, RoundResult, TargetPass
+from ..core.settings import SamplingSettings
+from .base import (
+    BuildContext,
+    Method,
+    catch_up,
+    drafter_generator,
+    head_token_ids,
+    to_target_vocab,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -47,8 +47,15 @@ from ..core.errors import InputError, first_line
 from ..core.files import atomic_path, file_sha256
 from ..core.protocol import DraftLengthPolicy, Proposal, RoundResult, TargetPass
 from ..core.settings import SamplingSettings
-from .base import BuildContext, Method, PolicyContext, drafter_generator, to_target_vocab
-from .draft_length import TreeBudget, make_policy
+from .base import (
+    BuildContext,
+    Method,
+    PolicyContext,
+    drafter_generator,
+    heads_policy,
+    to_target_vocab,
+    tree_verify_cost,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -955,15 +962,13 @@ def _build(context: BuildContext, tree: bool) -> EagleDrafter:
         target_vocab_size=output_rows(target.model),
         tree=tree,
         generator=drafter_generator(settings.sampling.seed, target.device),
-        verify_cost=policy.verify_cost if tree and isinstance(policy, TreeBudget) else None,
+        verify_cost=tree_verify_cost(policy, tree),
     )
 
 
 def _policy(context: PolicyContext, tree: bool) -> DraftLengthPolicy:
-    if tree and context.settings.sampling.greedy and context.num_draft_tokens == "adaptive":
-        return TreeBudget(max_num_draft_tokens=context.max_num_draft_tokens, prior=context.prior)
     # a head step costs a few percent of a target pass: the adaptive policy learns it from the first rounds
-    return make_policy(context.num_draft_tokens, context.max_num_draft_tokens, free_drafts=True, prior=context.prior)
+    return heads_policy(context, tree)
 
 
 METHODS = (

@@ -15,28 +15,33 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
-
-import weakref
 
 import torch
 from torch import nn
 
 from ..backends.formats import output_weight
 from ..backends.loading import LoadedModel
+from ..core.acceptance import target_distribution
+from ..core.clock import now
 from ..core.errors import InputError
 from ..core.files import file_sha256
-from .base import BuildContext, Method, PolicyContext, drafter_generator, head_token_ids, to_target_vocab
-from ..core.protocol import Proposal, RoundResult
-from ..core.protocol import DraftLengthPolicy
-from .draft_length import TreeBudget, make_policy
-from ..core.protocol import TargetPass
-from ..core.clock import now
-from ..core.tree import build_tree
+from ..core.protocol import DraftLengthPolicy, Proposal, RoundResult, TargetPass
 from ..core.settings import SamplingSettings
-from ..core.acceptance import target_distribution
+from ..core.tree import build_tree
+from .base import (
+    BuildContext,
+    Method,
+    PolicyContext,
+    drafter_generator,
+    head_token_ids,
+    heads_policy,
+    to_target_vocab,
+    tree_verify_cost,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -474,19 +479,13 @@ def _build(context: BuildContext, tree: bool) -> MedusaDrafter:
         eos_token_ids=target.eos_token_ids,
         tree=tree,
         generator=drafter_generator(settings.sampling.seed, target.device),
-        verify_cost=policy.verify_cost if tree and isinstance(policy, TreeBudget) else None,
+        verify_cost=tree_verify_cost(policy, tree),
     )
 
 
 def _policy(context: PolicyContext, tree: bool) -> DraftLengthPolicy:
-    if tree and context.settings.sampling.greedy and context.num_draft_tokens == "adaptive":
-        return TreeBudget(max_num_draft_tokens=context.max_num_draft_tokens, prior=context.prior)
-    # a chain is at most one token per head; drafting it costs next to nothing
-    heads = heads_for(context.target, context.options.medusa_heads)
-    return make_policy(
-        context.num_draft_tokens, min(context.max_num_draft_tokens, heads.config.num_heads), free_drafts=True,
-        prior=context.prior,
-    )
+    # a chain is at most one token per head
+    return heads_policy(context, tree, heads_for(context.target, context.options.medusa_heads).config.num_heads)
 
 
 METHODS = (

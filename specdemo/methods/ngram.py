@@ -10,10 +10,9 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..core.protocol import TargetPass
 from ..core.errors import InputError
+from ..core.protocol import Proposal, RoundResult, TargetPass
 from .base import BuildContext, Method
-from ..core.protocol import Proposal, RoundResult
 
 logger = logging.getLogger(__name__)
 

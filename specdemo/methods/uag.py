@@ -29,13 +29,12 @@ from ..backends.formats import is_int8_format, output_rows
 from ..backends.int8 import head_rows, int8_copy
 from ..backends.loading import LoadedModel
 from ..backends.transformers_lm import CachedLM
-from ..core.protocol import TargetPass
-from ..core.clock import now
-from ..core.settings import SamplingSettings
 from ..core.acceptance import target_distribution
+from ..core.clock import now
 from ..core.errors import InputError
+from ..core.protocol import Proposal, RoundResult, TargetPass
+from ..core.settings import SamplingSettings
 from .base import BuildContext, Method, catch_up, drafter_generator
-from ..core.protocol import Proposal, RoundResult
 
 logger = logging.getLogger(__name__)
 

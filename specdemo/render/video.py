@@ -24,7 +24,14 @@ from PIL import Image, ImageDraw, ImageFont
 from ..core.events import REJECTED, TokenEvent
 from ..session.racelog import SIDES, RaceLog
 from ..session.state import RaceState
-from .views import KIND_COLOURS, identical_html, live_speedup, pane_titles, race_details, race_title
+from .views import (
+    KIND_COLOURS,
+    identical_html,
+    live_speedup,
+    pane_titles,
+    race_details,
+    race_title,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,15 @@ from __future__ import annotations
 import html
 from typing import Iterable
 
-from ..core.events import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, TokenEvent
+from ..core.events import (
+    ACCEPTED,
+    BONUS,
+    CORRECTED,
+    PLAIN,
+    REJECTED,
+    Counters,
+    TokenEvent,
+)
 from ..session.racelog import RaceSettings
 from ..session.state import PaneState, RaceState
 

@@ -27,16 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..core.economics import (
-    CALIBRATION_VERSION,
-    CostCurve,
-    Hardware,
-    speculation_can_pay,
-    speculative_seconds_per_token,
-)
 from ..backends.formats import output_rows
-from ..backends.transformers_lm import CachedLM
-from ..core.clock import now
 from ..backends.loading import (
     LoadedModel,
     LoadSettings,
@@ -48,7 +39,15 @@ from ..backends.loading import (
     resolve_format,
 )
 from ..backends.offline import cache_home
-
+from ..backends.transformers_lm import CachedLM
+from ..core.clock import now
+from ..core.economics import (
+    CALIBRATION_VERSION,
+    CostCurve,
+    Hardware,
+    speculation_can_pay,
+    speculative_seconds_per_token,
+)
 from ..core.files import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -139,10 +138,10 @@ def _draft_step_seconds(
     """Median seconds per drafted token. A draft sharing the target's tokenizer is timed through the draft-model
     drafter itself (its int8 copy and restricted head, as a race runs it), drafting ``draft_length`` tokens after
     a prefix it has caught up on; any other draft (uag) is timed as one step of the model."""
-    from ..methods.draft_model import DraftModelDrafter
     from ..backends.int8 import int8_copy
     from ..backends.loading import same_tokenizer
     from ..core.settings import SamplingSettings
+    from ..methods.draft_model import DraftModelDrafter
 
     vocab_size = output_rows(target.model)
     shared = target.tokenizer is not None and draft.tokenizer is not None

@@ -14,7 +14,13 @@ from typing import Callable
 
 import torch
 
-from ..backends.loading import CacheKey, LoadedModel, ModelLoadError, load_model, resolve_device
+from ..backends.loading import (
+    CacheKey,
+    LoadedModel,
+    ModelLoadError,
+    load_model,
+    resolve_device,
+)
 from .pipeline import release_models
 from .presets import PRESETS, PairPreset, default_preset_key
 

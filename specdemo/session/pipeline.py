@@ -12,17 +12,16 @@ from typing import Collection, Iterator
 
 import torch
 
+from ..backends.loading import CacheKey, LoadedModel, clear_model_cache
+from ..backends.memory import return_free_memory
+from ..backends.transformers_lm import CachedLM
 from ..core.economics import CostCurve
-from ..core.settings import GenerationSettings
+from ..core.errors import InputError
 from ..core.events import RoundEvent
 from ..core.loop import plain_decode, speculative_decode
-from ..backends.transformers_lm import CachedLM
-from ..backends.memory import return_free_memory
-from ..backends.loading import CacheKey, LoadedModel, clear_model_cache
-from ..methods.uag import shared_vocabulary, token_bytes
-
-from ..core.errors import InputError
+from ..core.settings import GenerationSettings
 from ..methods import SpecSettings, get_method, make_drafter, make_spec_policy
+from ..methods.uag import shared_vocabulary, token_bytes
 
 logger = logging.getLogger(__name__)
 

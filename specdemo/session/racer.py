@@ -24,7 +24,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..backends.loading import CacheKey, LoadedModel, LoadSettings, ModelLoadError, cache_key, draft_dtype
+from ..backends.loading import (
+    CacheKey,
+    LoadedModel,
+    LoadSettings,
+    ModelLoadError,
+    cache_key,
+    draft_dtype,
+)
 from ..backends.memory import resident_gb, return_free_memory
 from ..backends.offline import OfflinePackError
 from ..core.economics import CostCurve
@@ -37,7 +44,13 @@ from .config import WARMUP_TOKENS, SessionConfig
 from .pipeline import encode_prompt, plain_events, spec_events
 from .race import race
 from .racelog import RaceSettings
-from .request import Checked, RaceRequest, check_lengths, check_prompt_tokens, check_request
+from .request import (
+    Checked,
+    RaceRequest,
+    check_lengths,
+    check_prompt_tokens,
+    check_request,
+)
 from .results import RunResult, divergence
 from .state import RaceState
 
