@@ -7,12 +7,12 @@ import sysconfig
 from pathlib import Path
 
 import torch
+from tiny import reference_greedy, save_tiny_pair
 
 from specdemo.methods.medusa import load_heads
+from specdemo.training.common import stdlib_files
 from specdemo.training.corpus import training_prompts
-from specdemo.training.medusa import TrainSettings, labels_for, stdlib_files, train
-
-from tiny import reference_greedy, save_tiny_pair
+from specdemo.training.medusa import TrainSettings, labels_for, train
 
 
 def test_labels_are_the_targets_own_greedy_tokens_further_ahead():

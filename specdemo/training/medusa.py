@@ -7,7 +7,8 @@
    With ``--answers N`` the target also answers N chat prompts built offline (:mod:`specdemo.training.corpus`:
    explanations, code writing and editing, summaries, translations, arithmetic, short writing) greedily, in
    batches, and its own answers join the corpus (self-distillation proper; one prompt in ``held_out_every`` is held
-   out). Answers are written to disk batch by batch, so a restart carries on.
+   out). Answers are written to disk batch by batch, so a restart carries on. Corpus, answers and the shard
+   cache are :mod:`specdemo.training.common`'s, shared with the EAGLE trainer.
 2. Cache: the frozen target runs once over every sequence with teacher forcing; its final (post-norm) hidden state
    and its own greedy next token at every position of the answer are stored on disk in shards (a restart resumes
    where the cache stopped).
@@ -25,30 +26,30 @@ import hashlib
 import json
 import logging
 import math
-import random
 import sys
-import sysconfig
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from ..methods.medusa import MedusaConfig, MedusaHeads
-from .corpus import training_prompts
-
-if TYPE_CHECKING:
-    from ..backends.loading import LoadedModel
+from .common import (
+    CACHE_HOME,
+    CorpusSpec,
+    answer_sequences,
+    answers_key,
+    build_sequences,
+    generate_answers,
+    read_shards,
+    write_shards,
+)
 
 logger = logging.getLogger(__name__)
 
-#: folders of the standard library left out of the corpus (tests, demos, vendored third-party code)
-EXCLUDED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "ensurepip", "turtledemo", "__pycache__"}
-CACHE_ROOT = Path.home() / ".cache" / "specdemo" / "medusa-train"
-SHARD_SEQUENCES = 16
+CACHE_ROOT = CACHE_HOME / "medusa-train"
 
 
 @dataclass
@@ -82,132 +83,14 @@ class TrainSettings:
         return self.cache_dir if self.cache_dir is not None else CACHE_ROOT / self.corpus_key()
 
     def answers_key(self) -> str:
-        keyed = [self.target, self.dtype, self.answers, self.answer_tokens, self.held_out_every, self.seed,
-                 sys.version.split()[0]]
-        return hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:16]
+        return answers_key(self.target, self.dtype, self.corpus_spec())
+
+    def corpus_spec(self) -> CorpusSpec:
+        return CorpusSpec(self.sequences, self.sequence_tokens, self.held_out_every, self.held_out_sequences,
+                          self.seed, self.answers, self.answer_tokens, self.generation_batch)
 
     def answers_path(self) -> Path:
         return self.cache_path() / f"answers-{self.answers_key()}"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# corpus
-
-
-def stdlib_files(root: Path | None = None) -> list[Path]:
-    """The standard library's .py files, sorted, without tests, demos and vendored packages."""
-    base = Path(root or sysconfig.get_paths()["stdlib"])
-    files = []
-    for path in sorted(base.rglob("*.py")):
-        parts = set(path.relative_to(base).parts[:-1])
-        if parts & EXCLUDED_DIRS:
-            continue
-        files.append(path)
-    return files
-
-
-def is_held_out(relative: str, every: int) -> bool:
-    return int(hashlib.sha256(relative.encode()).hexdigest(), 16) % every == 0
-
-
-def build_sequences(tokenizer, settings: TrainSettings) -> tuple[list[dict], list[dict]]:
-    """(training, held-out) sequences: dicts with ``ids`` (header + body), ``answer_start`` and ``file``."""
-    base = Path(sysconfig.get_paths()["stdlib"])
-    files = stdlib_files(base)
-    rng = random.Random(settings.seed)
-    rng.shuffle(files)
-    train: list[dict] = []
-    held: list[dict] = []
-    for path in files:
-        if len(train) >= settings.sequences and len(held) >= settings.held_out_sequences:
-            break
-        relative = str(path.relative_to(base))
-        bucket = held if is_held_out(relative, settings.held_out_every) else train
-        wanted = settings.held_out_sequences if bucket is held else settings.sequences
-        if len(bucket) >= wanted:
-            continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        module = relative[:-3].replace("/", ".")
-        user = f"Show me part of the source code of the Python standard library module `{module}`."
-        header = _chat_header(tokenizer, user) + tokenizer("```python\n", add_special_tokens=False)["input_ids"]
-        body = tokenizer(text, add_special_tokens=False)["input_ids"]
-        room = settings.sequence_tokens - len(header)
-        if room < 16:
-            raise ValueError(f"--sequence-tokens {settings.sequence_tokens} leaves no room after the {len(header)}-token "
-                             "prompt header")
-        if len(body) < room // 2:
-            continue  # too short to teach much
-        start = rng.randrange(0, max(1, len(body) - room))
-        bucket.append({"ids": list(header) + list(body[start : start + room]), "answer_start": len(header),
-                       "file": relative})
-    return train, held
-
-
-def _chat_header(tokenizer, user: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"])
-    return list(tokenizer(user + "\n", add_special_tokens=True)["input_ids"])
-
-
-@torch.inference_mode()
-def generate_answers(loaded: LoadedModel, settings: TrainSettings, path: Path) -> list[dict]:
-    """The target's own greedy answers to ``settings.answers`` training prompts, generated in batches (left
-    padding) and appended to ``path`` (JSON lines) batch by batch, so a restart carries on where it stopped."""
-    model, tokenizer = loaded.model, loaded.tokenizer
-    prompts = training_prompts(settings.answers, stdlib_files(), settings.seed)
-    done: dict[int, dict] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                done[row["index"]] = row
-    headers = [_chat_header(tokenizer, prompt.text) for prompt in prompts]
-    # similar prompt lengths share a batch (less padding); the index keeps the seeded order
-    todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: (len(headers[i]), i))
-    stop_ids = set(loaded.eos_token_ids)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
-    device = next(model.parameters()).device
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tqdm(total=len(prompts), initial=len(done), desc="target answering training prompts", unit="answer") as bar:
-        for start in range(0, len(todo), settings.generation_batch):
-            batch = todo[start : start + settings.generation_batch]
-            width = max(len(headers[i]) for i in batch)
-            ids = torch.tensor([[pad_id] * (width - len(headers[i])) + headers[i] for i in batch], device=device)
-            mask = torch.tensor([[0] * (width - len(headers[i])) + [1] * len(headers[i]) for i in batch],
-                                device=device)
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings.answer_tokens,
-                                 do_sample=False, pad_token_id=pad_id)
-            rows = []
-            for row, i in zip(out[:, width:].tolist(), batch):
-                answer = []
-                for token in row:
-                    answer.append(token)
-                    if token in stop_ids:
-                        break
-                rows.append({"index": i, "kind": prompts[i].kind, "prompt": prompts[i].text, "answer_ids": answer,
-                             "answer": tokenizer.decode(answer, skip_special_tokens=True)})
-            with path.open("a") as handle:
-                for row in rows:
-                    handle.write(json.dumps(row) + "\n")
-                    done[row["index"]] = row
-            bar.update(len(batch))
-    return [done[i] for i in range(len(prompts))]
-
-
-def answer_sequences(tokenizer, answers: list[dict], settings: TrainSettings) -> tuple[list[dict], list[dict]]:
-    """(training, held-out) sequences of prompt + the target's own answer; one prompt in ``held_out_every`` is
-    held out."""
-    train: list[dict] = []
-    held: list[dict] = []
-    for row in answers:
-        if len(row["answer_ids"]) < 8:
-            continue
-        header = _chat_header(tokenizer, row["prompt"])
-        bucket = held if row["index"] % settings.held_out_every == 0 else train
-        bucket.append({"ids": header + row["answer_ids"], "answer_start": len(header), "file": row["kind"]})
-    return train, held
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -225,40 +108,29 @@ def labels_for(greedy: torch.Tensor, num_heads: int) -> torch.Tensor:
     return labels
 
 
-@torch.inference_mode()
 def cache_split(model, sequences: list[dict], folder: Path, name: str, max_heads: int) -> None:
     """Run the target over ``sequences`` and store hidden states and labels in shards (existing shards kept)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    shards = math.ceil(len(sequences) / SHARD_SEQUENCES)
-    todo = [s for s in range(shards) if not (folder / f"{name}_{s:04d}.pt").is_file()]
-    if not todo:
-        return
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     head = model.get_output_embeddings()
     device = next(model.parameters()).device
-    with tqdm(total=sum(len(sequences[s * SHARD_SEQUENCES : (s + 1) * SHARD_SEQUENCES]) for s in todo),
-              desc=f"caching target states ({name})", unit="seq") as bar:
-        for shard in todo:
-            hidden_rows, label_rows = [], []
-            for sequence in sequences[shard * SHARD_SEQUENCES : (shard + 1) * SHARD_SEQUENCES]:
-                ids = torch.tensor([sequence["ids"]], device=device)
-                hidden = base(input_ids=ids).last_hidden_state[0]
-                start = sequence["answer_start"] - 1  # this position predicts the answer's first token
-                hidden = hidden[start:]
-                greedy = head(hidden).argmax(-1).cpu()
-                hidden_rows.append(hidden.to(torch.bfloat16).cpu())
-                label_rows.append(labels_for(greedy, max_heads + 1))  # one head more than trained: room to grow
-                bar.update(1)
-            partial = folder / f"{name}_{shard:04d}.pt.partial"
-            torch.save({"hidden": torch.cat(hidden_rows), "labels": torch.cat(label_rows, dim=1)}, partial)
-            partial.rename(folder / f"{name}_{shard:04d}.pt")  # a shard is there whole or not at all
+
+    def per_sequence(sequence: dict) -> dict:
+        ids = torch.tensor([sequence["ids"]], device=device)
+        hidden = base(input_ids=ids).last_hidden_state[0]
+        start = sequence["answer_start"] - 1  # this position predicts the answer's first token
+        hidden = hidden[start:]
+        greedy = head(hidden).argmax(-1).cpu()
+        # one head more than trained: room to grow
+        return {"hidden": hidden.to(torch.bfloat16).cpu(), "labels": labels_for(greedy, max_heads + 1)}
+
+    def combine(rows: list[dict]) -> dict:
+        return {"hidden": torch.cat([r["hidden"] for r in rows]), "labels": torch.cat([r["labels"] for r in rows], dim=1)}
+
+    write_shards(sequences, folder, name, per_sequence, combine, f"caching target states ({name})")
 
 
 def load_split(folder: Path, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    shards = sorted(folder.glob(f"{name}_*.pt"))
-    if not shards:
-        raise FileNotFoundError(f"no cached {name} shards in {folder}")
-    parts = [torch.load(p, weights_only=True) for p in shards]
+    parts = read_shards(folder, name)
     return torch.cat([p["hidden"] for p in parts]), torch.cat([p["labels"] for p in parts], dim=1)
 
 
@@ -321,7 +193,7 @@ def train(settings: TrainSettings) -> dict:
     head_weight = model.get_output_embeddings().weight.detach()
     hidden_size, vocab_size = head_weight.shape[1], head_weight.shape[0]
     folder = settings.cache_path()
-    train_seqs, held_seqs = build_sequences(loaded.tokenizer, settings)
+    train_seqs, held_seqs = build_sequences(loaded.tokenizer, settings.corpus_spec())
     logger.info("corpus: %d training and %d held-out sequences", len(train_seqs), len(held_seqs))
     cache_dir_note = {"files": sorted({s["file"] for s in train_seqs}), "held_out_files": sorted({s["file"] for s in held_seqs})}
     folder.mkdir(parents=True, exist_ok=True)
@@ -335,9 +207,9 @@ def train(settings: TrainSettings) -> dict:
     if settings.answers:
         answer_started = time.perf_counter()
         answers_folder = settings.answers_path()
-        answers = generate_answers(loaded, settings, answers_folder / "answers.jsonl")
+        answers = generate_answers(loaded, settings.corpus_spec(), answers_folder / "answers.jsonl")
         answer_seconds = time.perf_counter() - answer_started
-        answer_train, answer_held = answer_sequences(loaded.tokenizer, answers, settings)
+        answer_train, answer_held = answer_sequences(loaded.tokenizer, answers, settings.corpus_spec())
         cache_started = time.perf_counter()
         cache_split(model, answer_train, answers_folder, "train", settings.num_heads)
         cache_split(model, answer_held, answers_folder, "heldout", settings.num_heads)
@@ -423,10 +295,7 @@ def train(settings: TrainSettings) -> dict:
         "command": "python -m specdemo.training.medusa " + " ".join(sys.argv[1:]),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items() if k != "extra"},
         "corpus": {
-            "source": f"Python {sys.version.split()[0]} standard library sources (tests, idlelib, lib2to3, "
-                      "turtledemo, ensurepip excluded), one chat turn per sequence"
-                      + (f", and the target's own greedy answers to {settings.answers} training prompts"
-                         if settings.answers else ""),
+            "source": settings.corpus_spec().description(),
             "training_sequences": len(train_seqs),
             "training_positions": code_positions,
             "held_out_sequences": len(held_seqs),

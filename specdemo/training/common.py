@@ -1,0 +1,250 @@
+"""What the self-distillation trainers share: the corpus, the target's own answers and the shard cache.
+
+- **Corpus**: source files of the Python standard library of the running interpreter (code, docstrings and, in
+  ``pydoc_data``, the language reference's prose), which every machine with Python has offline. Each sequence is
+  one chat turn: a user asks for a part of a module, the assistant's answer is that part of the file. Files are
+  split into training and held-out sets by a hash of their path. The benchmark prompt files are never read.
+- **Answers**: the target answers chat prompts built offline (:mod:`specdemo.training.corpus`) greedily, in
+  batches; its answers join the corpus, one prompt in ``held_out_every`` held out. They are written to disk batch
+  by batch, so a restart carries on; a trainer may start from another trainer's answers to the same prompts.
+- **Shards**: what a trainer stores of the target's pass over each sequence, a fixed number of sequences per file,
+  each file written whole or not at all, so a restart resumes where the cache stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from tqdm import tqdm
+
+from .corpus import training_prompts
+
+if TYPE_CHECKING:
+    from ..backends.loading import LoadedModel
+
+#: folders of the standard library left out of the corpus (tests, demos, vendored third-party code)
+EXCLUDED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "ensurepip", "turtledemo", "__pycache__"}
+#: where the trainers keep their caches, one folder each (``medusa-train``, ``eagle-train``)
+CACHE_HOME = Path.home() / ".cache" / "specdemo"
+#: sequences per shard file
+SHARD_SEQUENCES = 16
+#: the answers file inside an answers folder
+ANSWERS_FILE = "answers.jsonl"
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    """Which sequences a trainer learns from: ``sequences`` standard-library stretches of ``sequence_tokens``
+    tokens (and ``held_out_sequences`` from held-out files, one file in ``held_out_every`` by path hash), and the
+    target's own greedy answers (at most ``answer_tokens`` each, ``generation_batch`` prompts at a time) to
+    ``answers`` offline prompts; ``seed`` orders files and prompts."""
+
+    sequences: int
+    sequence_tokens: int
+    held_out_every: int
+    held_out_sequences: int
+    seed: int
+    answers: int = 0
+    answer_tokens: int = 256
+    generation_batch: int = 32
+
+    def description(self) -> str:
+        return (f"Python {sys.version.split()[0]} standard library sources (tests, idlelib, lib2to3, turtledemo, "
+                "ensurepip excluded), one chat turn per sequence"
+                + (f", and the target's own greedy answers to {self.answers} training prompts" if self.answers else ""))
+
+
+def answers_key(target: str, dtype: str, spec: CorpusSpec) -> str:
+    """The name of a set of the target's answers: the same for every trainer that asks for the same answers."""
+    keyed = [target, dtype, spec.answers, spec.answer_tokens, spec.held_out_every, spec.seed, sys.version.split()[0]]
+    return hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:16]
+
+
+def answers_elsewhere(key: str) -> list[Path]:
+    """Answers files with this key in any trainer's cache, the fullest first."""
+    found = [path for path in CACHE_HOME.glob(f"*-train/*/answers-{key}/{ANSWERS_FILE}") if path.is_file()]
+    return sorted(found, key=lambda path: (-path.stat().st_size, str(path)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# corpus
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """The standard library's .py files, sorted, without tests, demos and vendored packages."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in sorted(base.rglob("*.py")):
+        parts = set(path.relative_to(base).parts[:-1])
+        if parts & EXCLUDED_DIRS:
+            continue
+        files.append(path)
+    return files
+
+
+def is_held_out(relative: str, every: int) -> bool:
+    return int(hashlib.sha256(relative.encode()).hexdigest(), 16) % every == 0
+
+
+def chat_header(tokenizer, user: str) -> list[int]:
+    """The token ids of a chat turn's prompt, up to where the assistant's answer begins."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"])
+    return list(tokenizer(user + "\n", add_special_tokens=True)["input_ids"])
+
+
+def build_sequences(tokenizer, spec: CorpusSpec) -> tuple[list[dict], list[dict]]:
+    """(training, held-out) sequences: dicts with ``ids`` (header + body), ``answer_start`` and ``file``."""
+    base = Path(sysconfig.get_paths()["stdlib"])
+    files = stdlib_files(base)
+    rng = random.Random(spec.seed)
+    rng.shuffle(files)
+    train: list[dict] = []
+    held: list[dict] = []
+    for path in files:
+        if len(train) >= spec.sequences and len(held) >= spec.held_out_sequences:
+            break
+        relative = str(path.relative_to(base))
+        bucket = held if is_held_out(relative, spec.held_out_every) else train
+        wanted = spec.held_out_sequences if bucket is held else spec.sequences
+        if len(bucket) >= wanted:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        module = relative[:-3].replace("/", ".")
+        user = f"Show me part of the source code of the Python standard library module `{module}`."
+        header = chat_header(tokenizer, user) + tokenizer("```python\n", add_special_tokens=False)["input_ids"]
+        body = tokenizer(text, add_special_tokens=False)["input_ids"]
+        room = spec.sequence_tokens - len(header)
+        if room < 16:
+            raise ValueError(f"--sequence-tokens {spec.sequence_tokens} leaves no room after the {len(header)}-token "
+                             "prompt header")
+        if len(body) < room // 2:
+            continue  # too short to teach much
+        start = rng.randrange(0, max(1, len(body) - room))
+        bucket.append({"ids": list(header) + list(body[start : start + room]), "answer_start": len(header),
+                       "file": relative})
+    return train, held
+
+
+def _read_answers(path: Path) -> dict[int, dict]:
+    done: dict[int, dict] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                done[row["index"]] = row
+    return done
+
+
+@torch.inference_mode()
+def generate_answers(loaded: LoadedModel, spec: CorpusSpec, path: Path, start_from: Path | None = None) -> list[dict]:
+    """The target's own greedy answers to ``spec.answers`` training prompts, generated in batches (left padding)
+    and appended to ``path`` (JSON lines) batch by batch, so a restart carries on where it stopped.
+    ``start_from``: another answers file with the same key, copied first when ``path`` does not exist yet."""
+    model, tokenizer = loaded.model, loaded.tokenizer
+    prompts = training_prompts(spec.answers, stdlib_files(), spec.seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if start_from is not None and not path.is_file():
+        shutil.copyfile(start_from, path)
+    done = _read_answers(path)
+    headers = [chat_header(tokenizer, prompt.text) for prompt in prompts]
+    # similar prompt lengths share a batch (less padding); the index keeps the seeded order
+    todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: (len(headers[i]), i))
+    stop_ids = set(loaded.eos_token_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
+    device = next(model.parameters()).device
+    with tqdm(total=len(prompts), initial=len(done), desc="target answering training prompts", unit="answer") as bar:
+        for start in range(0, len(todo), spec.generation_batch):
+            batch = todo[start : start + spec.generation_batch]
+            width = max(len(headers[i]) for i in batch)
+            ids = torch.tensor([[pad_id] * (width - len(headers[i])) + headers[i] for i in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(headers[i])) + [1] * len(headers[i]) for i in batch],
+                                device=device)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=spec.answer_tokens,
+                                 do_sample=False, pad_token_id=pad_id)
+            rows = []
+            for row, i in zip(out[:, width:].tolist(), batch):
+                answer = []
+                for token in row:
+                    answer.append(token)
+                    if token in stop_ids:
+                        break
+                rows.append({"index": i, "kind": prompts[i].kind, "prompt": prompts[i].text, "answer_ids": answer,
+                             "answer": tokenizer.decode(answer, skip_special_tokens=True)})
+            with path.open("a") as handle:
+                for row in rows:
+                    handle.write(json.dumps(row) + "\n")
+                    done[row["index"]] = row
+            bar.update(len(batch))
+    return [done[i] for i in range(len(prompts))]
+
+
+def answer_sequences(tokenizer, answers: list[dict], spec: CorpusSpec) -> tuple[list[dict], list[dict]]:
+    """(training, held-out) sequences of prompt + the target's own answer; one prompt in ``held_out_every`` is
+    held out."""
+    train: list[dict] = []
+    held: list[dict] = []
+    for row in answers:
+        if len(row["answer_ids"]) < 8:
+            continue
+        header = chat_header(tokenizer, row["prompt"])
+        bucket = held if row["index"] % spec.held_out_every == 0 else train
+        bucket.append({"ids": header + row["answer_ids"], "answer_start": len(header), "file": row["kind"]})
+    return train, held
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shards
+
+
+def shard_path(folder: Path, name: str, shard: int) -> Path:
+    return folder / f"{name}_{shard:04d}.pt"
+
+
+@torch.inference_mode()
+def write_shards(
+    sequences: list[dict],
+    folder: Path,
+    name: str,
+    per_sequence: Callable[[dict], dict],
+    combine: Callable[[list[dict]], dict],
+    desc: str,
+) -> None:
+    """Store ``combine([per_sequence(s) for s in shard])`` for every shard of :data:`SHARD_SEQUENCES` sequences
+    not on disk yet (``<name>_0000.pt``, ...); each file is there whole or not at all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = math.ceil(len(sequences) / SHARD_SEQUENCES)
+    todo = [s for s in range(shards) if not shard_path(folder, name, s).is_file()]
+    if not todo:
+        return
+    with tqdm(total=sum(len(sequences[s * SHARD_SEQUENCES : (s + 1) * SHARD_SEQUENCES]) for s in todo),
+              desc=desc, unit="seq") as bar:
+        for shard in todo:
+            rows = []
+            for sequence in sequences[shard * SHARD_SEQUENCES : (shard + 1) * SHARD_SEQUENCES]:
+                rows.append(per_sequence(sequence))
+                bar.update(1)
+            final = shard_path(folder, name, shard)
+            partial = final.with_name(final.name + ".partial")
+            torch.save(combine(rows), partial)
+            partial.rename(final)  # a shard is there whole or not at all
+
+
+def read_shards(folder: Path, name: str) -> list[dict]:
+    """The stored shards of ``name``, in order."""
+    shards = sorted(folder.glob(f"{name}_*.pt"))
+    if not shards:
+        raise FileNotFoundError(f"no cached {name} shards in {folder}")
+    return [torch.load(path, weights_only=True) for path in shards]

@@ -1,0 +1,254 @@
+"""The EAGLE-3 trainer on a tiny target: the unrolled training forward is the drafter's own computation, a run
+writes a head the drafter loads and that keeps greedy output exact, a stopped run resumes to the same weights, the
+draft vocabulary, the held-out split, the Medusa trainer's answers reused, the benchmark prompts never read."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny import save_tiny_pair
+
+from specdemo.backends.formats import output_weight
+from specdemo.backends.loading import LoadSettings, load_model
+from specdemo.backends.transformers_lm import CachedLM
+from specdemo.core.loop import collect, plain_decode, speculative_decode
+from specdemo.core.settings import GenerationSettings, SamplingSettings
+from specdemo.methods.draft_length import FixedDraftLength, TreeBudget
+from specdemo.methods.eagle import (
+    EagleConfig,
+    EagleDrafter,
+    EagleHead,
+    _KVCache,
+    load_head,
+    target_facts,
+)
+from specdemo.training import common
+from specdemo.training.common import (
+    CorpusSpec,
+    answers_key,
+    build_sequences,
+    generate_answers,
+    is_held_out,
+)
+from specdemo.training.eagle import (
+    MAX_HEAD_BYTES,
+    Split,
+    TrainSettings,
+    draft_vocabulary,
+    head_bytes,
+    head_fields,
+    load_split,
+    make_batch,
+    train,
+    unrolled_forward,
+)
+
+BENCHMARK_FILES = {"prompts.jsonl", "question.jsonl"}
+#: tiny models gain nothing from threads, and lose much to a busy machine
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def tiny_settings(tmp_path: Path, target: str, **changes) -> TrainSettings:
+    settings = dict(
+        target=target, out=tmp_path / "head", dtype="float32", sequences=4, sequence_tokens=160,
+        held_out_sequences=2, answers=6, answer_tokens=20, generation_batch=3, held_out_every=3, epochs=2,
+        steps_unrolled=3, draft_vocab_size=64, batch_tokens=300, lr=3e-3, warmup_steps=2,
+        cache_dir=tmp_path / "cache",
+    )
+    settings.update(changes)
+    return TrainSettings(**settings)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the unrolled forward
+
+
+def random_head(seed: int = 0) -> EagleHead:
+    config = EagleConfig(64, 4, 2, 16, 96, 320, 40, (0, 1, 2), shared_lm_head=True)
+    head = EagleHead(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+        head.draft_ids.copy_(torch.randperm(320, generator=generator)[:40].sort().values)
+    return head
+
+
+def test_the_unrolled_forward_is_what_the_drafter_computes_at_each_draft_step():
+    head, steps = random_head(), 4
+    embed = torch.randn(320, 64, generator=torch.Generator().manual_seed(1))
+    lengths, starts = [11, 7], [3, 1]
+    generator = torch.Generator().manual_seed(2)
+    split = Split(
+        ids=torch.randint(0, 320, (sum(lengths),), generator=generator, dtype=torch.int32),
+        greedy=torch.randint(0, 320, (sum(lengths),), generator=generator, dtype=torch.int32),
+        states=torch.randn(sum(lengths), 3 * 64, generator=generator),
+        lengths=torch.tensor(lengths), answer_starts=torch.tensor(starts),
+    )
+    batch = make_batch(split, [0, 1], steps)
+    with torch.no_grad():
+        outputs = unrolled_forward(head, embed, batch, steps)
+        offset, active_seen = 0, 0
+        for s, length in enumerate(lengths):
+            ids = split.ids[offset : offset + length].long()
+            states = split.states[offset : offset + length]
+            rows = length - 1
+            for root in range(rows):
+                # the drafter: commit rows 0..root (target features, the next token), then draft from the root
+                cache = _KVCache()
+                committed = head(head.features(states[: root + 1]), embed[ids[1 : root + 2]],
+                                 torch.arange(root + 1), cache)
+                flat = sum(lengths[:s]) - s + root
+                assert torch.allclose(committed[-1], outputs[0][flat], atol=1e-5)
+                if root < starts[s] - 1:
+                    continue  # rows before the answer learn nothing: no further steps
+                output = committed[-1]
+                for j in range(2, steps + 1):
+                    token = ids[root + j] if root + j < length else torch.tensor(0)
+                    output = head(output.view(1, -1), embed[token.view(1)], torch.tensor([root + j - 1]), cache)[0]
+                    assert torch.allclose(output, outputs[j - 1][active_seen], atol=1e-4), (s, root, j)
+                active_seen += 1
+            offset += length
+        assert active_seen == outputs[1].shape[0]
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_greedy_tokens_and_the_eos_ids():
+    labels = torch.tensor([5, 5, 5, 9, 9, 2, 2, 7, -1, -1, -1, -1], dtype=torch.int32)
+    assert draft_vocabulary(labels, 3, 20, eos_ids=[]).tolist() == [2, 5, 9]  # 2 and 9 tie: both twice
+    assert draft_vocabulary(labels, 3, 20, eos_ids=[19]).tolist() == [2, 5, 19]
+    assert draft_vocabulary(labels, 6, 20, eos_ids=[]).tolist() == [0, 1, 2, 5, 7, 9]  # too few: lowest unused
+
+
+def test_the_default_head_for_the_offline_target_fits_40_mb():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    fields = head_fields(model, TrainSettings().draft_vocab_size, TrainSettings().intermediate_size)
+    head = EagleConfig(**fields)
+    assert head.shared_lm_head and head.hidden_layers == (2, 14, 25)
+    assert head_bytes(head) <= MAX_HEAD_BYTES < head_bytes(EagleConfig(**{**fields, "intermediate_size":
+                                                                           head.intermediate_size + 128}))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# whole runs
+
+
+def test_a_run_writes_a_head_the_drafter_loads_and_greedy_output_stays_exact(pair, tmp_path, monkeypatch):
+    settings = tiny_settings(tmp_path, pair)
+    spec = settings.corpus_spec()
+    loaded = load_model(pair, LoadSettings(dtype="float32"))
+    # answers the Medusa trainer left in its cache are reused, not generated again
+    monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")
+    medusa_answers = tmp_path / "home" / "medusa-train" / "k" / f"answers-{answers_key(pair, 'float32', spec)}"
+    generate_answers(loaded, spec, medusa_answers / "answers.jsonl")
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def spying_open(file, *args, **kwargs):
+        opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", spying_open)
+    monkeypatch.setattr(io, "open", spying_open)
+    report = train(settings)
+    monkeypatch.undo()
+    assert opened and not [name for name in opened if Path(name).name in BENCHMARK_FILES]
+    assert (settings.answers_path() / "answers.jsonl").read_text() == (medusa_answers / "answers.jsonl").read_text()
+    assert report["answers"]["reused_from"] == str(medusa_answers / "answers.jsonl")
+
+    assert report["complete"] and report["steps"]["done"] == report["steps"]["planned"]
+    for split in ("standard_library", "answers"):
+        figures = report["held_out"][split]
+        assert len(figures["top1_per_step"]) == 3 and all(0.0 <= a <= 1.0 for a in figures["top1_per_step"])
+        accepted = figures["mean_accepted_drafts"]
+        assert len(accepted) == 3 and all(0.0 <= a <= k + 1 for k, a in enumerate(accepted))
+        assert accepted == sorted(accepted)
+    written = json.loads((settings.out / "training.json").read_text())
+    assert written["weights_sha256"] == report["weights_sha256"] and written["head"]["dtype"] == "bfloat16"
+    assert set(written["seconds"]) == {"answers", "cache", "train", "evaluate", "total"}
+    config = json.loads((settings.out / "config.json").read_text())
+    assert config["shared_lm_head"] and config["torch_dtype"] == "bfloat16" and config["draft_vocab_size"] == 64
+    assert "lm_head.weight" not in load_file(str(settings.out / "model.safetensors"))
+
+    model = loaded.model
+    head = load_head(settings.out, target_facts(loaded), expected_sha256=report["weights_sha256"],
+                     lm_head_weight=lambda: output_weight(model))
+    # the draft vocabulary holds the training answers' most frequent greedy tokens and the EOS id
+    labels = torch.cat([load_split(settings.cache_path(), "train").labels(),
+                        load_split(settings.answers_path(), "train").labels()]).long()
+    counts = torch.bincount(labels, minlength=320)
+    threshold = counts.sort(descending=True).values[63 - 1]
+    assert set(torch.nonzero(counts > threshold).flatten().tolist()) <= set(head.draft_ids.tolist())
+    assert loaded.tokenizer.eos_token_id in head.draft_ids.tolist()
+
+    prompts = [list(range(40, 60)), loaded.tokenizer("def add(a, b):\n    return")["input_ids"]]
+    settings_out = GenerationSettings(max_new_tokens=30)
+    for prompt in prompts:
+        expected = collect(plain_decode(CachedLM(model), prompt, settings_out)).new_token_ids
+        for tree, policy in ((False, FixedDraftLength(4)), (True, TreeBudget(max_num_draft_tokens=8))):
+            drafter = EagleDrafter(head, model.get_input_embeddings(), SamplingSettings(), 320, tree=tree)
+            event = collect(speculative_decode(CachedLM(model), drafter, policy, prompt, settings_out))
+            assert event.new_token_ids == expected, (prompt, tree)
+
+
+def test_a_stopped_run_resumes_to_the_weights_of_an_uninterrupted_one(pair, tmp_path):
+    whole = train(tiny_settings(tmp_path, pair, answers=0, out=tmp_path / "whole"))
+    planned = whole["steps"]["planned"]
+    assert planned >= 6
+    for checkpoint in (tmp_path / "cache").glob("checkpoint-*.pt"):
+        checkpoint.unlink()
+    cached = {path: path.stat().st_mtime_ns for path in (tmp_path / "cache").glob("train_*.pt")}
+    for stop in (planned // 2 - 1, planned // 2 + 1):  # inside the first epoch, then inside the second
+        stopped = train(tiny_settings(tmp_path, pair, answers=0, out=tmp_path / "resumed", stop_after_steps=stop))
+        assert not stopped["complete"] and stopped["steps"]["done"] == stop
+    resumed = train(tiny_settings(tmp_path, pair, answers=0, out=tmp_path / "resumed"))
+    assert resumed["complete"] and resumed["steps"]["done"] == planned
+    assert {path: path.stat().st_mtime_ns for path in (tmp_path / "cache").glob("train_*.pt")} == cached  # kept
+    one, other = load_file(str(tmp_path / "whole" / "model.safetensors")), load_file(
+        str(tmp_path / "resumed" / "model.safetensors"))
+    assert one.keys() == other.keys() and all(torch.equal(one[name], other[name]) for name in one)
+    assert resumed["weights_sha256"] == whole["weights_sha256"]
+    # a finished run's checkpoint: a rerun trains nothing again and writes the same head
+    again = train(tiny_settings(tmp_path, pair, answers=0, out=tmp_path / "again"))
+    assert again["weights_sha256"] == whole["weights_sha256"]
+
+
+def test_held_out_files_and_prompts_never_reach_the_training_set(pair):
+    tokenizer = load_model(pair, LoadSettings(dtype="float32")).tokenizer
+    spec = CorpusSpec(sequences=40, sequence_tokens=160, held_out_every=10, held_out_sequences=8, seed=0)
+    train_seqs, held = build_sequences(tokenizer, spec)
+    assert len(train_seqs) == 40 and len(held) == 8
+    assert not {s["file"] for s in train_seqs} & {s["file"] for s in held}
+    assert all(is_held_out(s["file"], 10) for s in held) and not any(is_held_out(s["file"], 10) for s in train_seqs)
+    answers = [{"index": i, "kind": "k", "prompt": f"p{i}", "answer_ids": list(range(10))} for i in range(30)]
+    answer_train, answer_held = common.answer_sequences(tokenizer, answers, spec)
+    assert len(answer_held) == 3 and len(answer_train) == 27
+    assert not {tuple(s["ids"]) for s in answer_train} & {tuple(s["ids"]) for s in answer_held}
+
+
+def test_the_command_line_lists_one_flag_per_setting(capsys):
+    from specdemo.training.eagle import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--target", "--out", "--dtype", "--seed", "--sequences", "--held-out-sequences", "--answers",
+                 "--epochs", "--steps-unrolled", "--draft-vocab-size", "--lr", "--batch-tokens",
+                 "--time-budget-minutes"):
+        assert flag in text
