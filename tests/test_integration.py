@@ -63,3 +63,30 @@ def test_offline_pair_int8_identical_in_every_mode():
     for spec in (SpecSettings("draft", 3), SpecSettings("draft", "adaptive"), SpecSettings("ngram", 5),
                  SpecSettings("medusa"), SpecSettings("medusa-chain")):
         assert collect(spec_events(target, draft, ids, settings, spec)).new_token_ids == plain.new_token_ids, spec
+
+
+def test_offline_target_with_a_random_eagle_head_is_identical(pair, tmp_path):
+    """The EAGLE-3 path on the real target (three of its 28 layers' states, the tree and the chain): with an
+    untrained head most drafts are rejected, and the output is still token for token plain decoding's."""
+    import torch
+
+    from specdemo.methods.eagle import EagleConfig, EagleHead, default_hidden_layers, save_head
+
+    target, _ = pair
+    config = target.model.config
+    head = EagleHead(EagleConfig(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                                 config.hidden_size // config.num_attention_heads, 768, config.vocab_size, 4096,
+                                 default_hidden_layers(config.num_hidden_layers), shared_lm_head=True))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in head.named_parameters():
+            if not name.endswith("norm.weight"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    save_head(head, tmp_path / "head", torch.float32)
+    ids = encode_prompt(target, "Rename the variable `x` to `count` in:\ndef f(x):\n    return x * x\n")
+    settings = GenerationSettings(max_new_tokens=16)
+    plain = collect(plain_events(target, ids, settings))
+    for spec in (SpecSettings("eagle", eagle_head=str(tmp_path / "head")),
+                 SpecSettings("eagle-chain", 4, eagle_head=str(tmp_path / "head"))):
+        final = collect(spec_events(target, None, ids, settings, spec))
+        assert final.new_token_ids == plain.new_token_ids, spec
