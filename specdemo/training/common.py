@@ -64,6 +64,28 @@ class CorpusSpec:
                 + (f", and the target's own greedy answers to {self.answers} training prompts" if self.answers else ""))
 
 
+class CorpusSettings:
+    """What a trainer's settings derive from their corpus fields (``target``, ``dtype``, ``cache_dir``, the
+    :class:`CorpusSpec` fields and a ``corpus_key()`` of the trainer's own): the spec, the cache folder and the
+    answers' key and folder. A mixin for the trainers' settings dataclasses, so both derive them the same way."""
+
+    def corpus_key(self) -> str:
+        raise NotImplementedError
+
+    def corpus_spec(self) -> CorpusSpec:
+        return CorpusSpec(self.sequences, self.sequence_tokens, self.held_out_every, self.held_out_sequences,
+                          self.seed, self.answers, self.answer_tokens, self.generation_batch)
+
+    def cache_path(self) -> Path:
+        return self.cache_dir if self.cache_dir is not None else self.cache_root / self.corpus_key()
+
+    def answers_key(self) -> str:
+        return answers_key(self.target, self.dtype, self.corpus_spec())
+
+    def answers_path(self) -> Path:
+        return self.cache_path() / f"answers-{self.answers_key()}"
+
+
 def answers_key(target: str, dtype: str, spec: CorpusSpec) -> str:
     """The name of a set of the target's answers: the same for every trainer that asks for the same answers."""
     keyed = [target, dtype, spec.answers, spec.answer_tokens, spec.held_out_every, spec.seed, sys.version.split()[0]]

@@ -59,10 +59,9 @@ from ..methods.eagle import (
 from .common import (
     ANSWERS_FILE,
     CACHE_HOME,
-    CorpusSpec,
+    CorpusSettings,
     answer_sequences,
     answers_elsewhere,
-    answers_key,
     build_sequences,
     generate_answers,
     read_shards,
@@ -85,7 +84,9 @@ WIDTH_STEP = 128
 
 
 @dataclass
-class TrainSettings:
+class TrainSettings(CorpusSettings):
+    cache_root = CACHE_ROOT  # where corpus_key() folders live (a class attribute, not a setting)
+
     target: str = "offline:qwen2.5-coder-1.5b"
     out: Path = Path("eagle-head")
     dtype: str = "bfloat16"  # the target's, for caching its states
@@ -113,23 +114,10 @@ class TrainSettings:
     stop_after_steps: int | None = None
     extra: dict = field(default_factory=dict)
 
-    def corpus_spec(self) -> CorpusSpec:
-        return CorpusSpec(self.sequences, self.sequence_tokens, self.held_out_every, self.held_out_sequences,
-                          self.seed, self.answers, self.answer_tokens, self.generation_batch)
-
     def corpus_key(self) -> str:
         keyed = [CACHE_FORMAT, self.target, self.dtype, self.sequences, self.sequence_tokens, self.held_out_every,
                  self.held_out_sequences, self.seed, sys.version.split()[0]]
         return hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:16]
-
-    def cache_path(self) -> Path:
-        return self.cache_dir if self.cache_dir is not None else CACHE_ROOT / self.corpus_key()
-
-    def answers_key(self) -> str:
-        return answers_key(self.target, self.dtype, self.corpus_spec())
-
-    def answers_path(self) -> Path:
-        return self.cache_path() / f"answers-{self.answers_key()}"
 
     def train_key(self, draft_ids: torch.Tensor, config: EagleConfig) -> str:
         keyed = [self.corpus_key(), self.answers_key() if self.answers else None, self.epochs, self.steps_unrolled,

@@ -38,9 +38,8 @@ from tqdm import tqdm
 from ..methods.medusa import MedusaConfig, MedusaHeads
 from .common import (
     CACHE_HOME,
-    CorpusSpec,
+    CorpusSettings,
     answer_sequences,
-    answers_key,
     build_sequences,
     generate_answers,
     read_shards,
@@ -53,7 +52,9 @@ CACHE_ROOT = CACHE_HOME / "medusa-train"
 
 
 @dataclass
-class TrainSettings:
+class TrainSettings(CorpusSettings):
+    cache_root = CACHE_ROOT  # where corpus_key() folders live (a class attribute, not a setting)
+
     target: str = "offline:qwen2.5-coder-1.5b"
     out: Path = Path("medusa-heads")
     num_heads: int = 3
@@ -78,19 +79,6 @@ class TrainSettings:
         keyed = [self.target, self.dtype, self.sequences, self.sequence_tokens, self.held_out_every,
                  self.held_out_sequences, self.seed, sys.version.split()[0]]
         return hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:16]
-
-    def cache_path(self) -> Path:
-        return self.cache_dir if self.cache_dir is not None else CACHE_ROOT / self.corpus_key()
-
-    def answers_key(self) -> str:
-        return answers_key(self.target, self.dtype, self.corpus_spec())
-
-    def corpus_spec(self) -> CorpusSpec:
-        return CorpusSpec(self.sequences, self.sequence_tokens, self.held_out_every, self.held_out_sequences,
-                          self.seed, self.answers, self.answer_tokens, self.generation_batch)
-
-    def answers_path(self) -> Path:
-        return self.cache_path() / f"answers-{self.answers_key()}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
