@@ -568,6 +568,7 @@ def test_hub_ids_missing_folders_and_shipped_heads(tmp_path, monkeypatch):
              "Hub: We couldn't connect")
     _refused(loaded(model), tmp_path / "nowhere", "neither a folder nor a Hub id")
     offline_target = loaded(model, "offline:qwen2.5-coder-1.5b")
+    monkeypatch.delitem(eagle.SHIPPED_HEADS, "qwen2.5-coder-1.5b", raising=False)  # as for a target without one
     _refused(offline_target, None, "no EAGLE head ships for offline:qwen2.5-coder-1.5b yet: name one with "
              "--eagle-head PATH, or train one with python -m specdemo.training.eagle")
     with pytest.raises(InputError, match="no EAGLE head ships"):

@@ -140,6 +140,91 @@ def test_older_or_foreign_files_are_refused(log: RaceLog, tmp_path: Path, change
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
+def _first_spec_round(d: dict) -> dict:
+    return d["sides"]["spec"][1]
+
+
+HOSTILE = [  # what a browser could send to the app's recorder, or a file could hold: each refused in one line
+    (lambda d: _first_spec_round(d).update(t=float("inf")), "spec round 1's t must be a number"),
+    (lambda d: _first_spec_round(d).update(t=1e5), "spec round 1's t must be a number from 0 to 86400"),
+    (lambda d: _first_spec_round(d).update(t=-1.0), "spec round 1's t"),
+    (lambda d: _first_spec_round(d).update(verify_s=float("nan")), "verify_s must be a number"),
+    (lambda d: _first_spec_round(d).update(finish=5), "finish must be text"),
+    (lambda d: _first_spec_round(d).update(drafted=10**7), "drafted must be a whole number from 0 to 64"),
+    (lambda d: _first_spec_round(d).update(drafted=True), "drafted must be a whole number"),
+    (lambda d: _first_spec_round(d).update(accepted=65), "accepted must be a whole number"),
+    (lambda d: _first_spec_round(d).update(round="1"), "spec round 1's round must be a whole number"),
+    (lambda d: _first_spec_round(d).update(round=7), "spec round 1 is numbered 7"),
+    (lambda d: _first_spec_round(d).update(tokens=[[1, "a", "plain", None, None]] * 70), "at most 65 items"),
+    (lambda d: _first_spec_round(d).update(tokens={}), "tokens must be a list"),
+    (lambda d: _first_spec_round(d)["tokens"][0].__setitem__(2, "purple"), "kind must be one of plain"),
+    (lambda d: _first_spec_round(d)["tokens"][0].__setitem__(1, ["x"]), "text must be text"),
+    (lambda d: _first_spec_round(d)["tokens"][0].__setitem__(0, -3), "id must be a whole number"),
+    (lambda d: _first_spec_round(d)["tokens"][0].__setitem__(4, 7.5), "target_prob must be a number from 0"),
+    (lambda d: d["sides"]["spec"][2].update(t=0.0), "spec round 2's clock runs back"),
+    (lambda d: d["sides"].update(spec={}), "the spec side must be a list"),
+    (lambda d: d["sides"].update(plain=[d["sides"]["plain"][0]] * 40000), "at most 32834 items"),
+    (lambda d: d.update(sides=[1]), "sides must be an object"),
+    (lambda d: d["outcome"].update(stop_reason=[1]), "outcome.stop_reason must be text"),
+    (lambda d: d["outcome"].update(done=5), "outcome.done must be true or false"),
+    (lambda d: d["outcome"].update(divergence={"position": "x"}), "divergence.position must be a whole number"),
+    (lambda d: d["outcome"].update(divergence=3), "outcome.divergence must be an object"),
+    (lambda d: d.update(outcome=[]), "outcome must be an object"),
+    (lambda d: d["settings"].update(prompt={}), "settings.prompt must be text"),
+    (lambda d: d["settings"].update(temperature="hot"), "settings.temperature must be a number"),
+    (lambda d: d["settings"].update(max_new_tokens=10**9), "settings.max_new_tokens must be a whole number"),
+    (lambda d: d["settings"].update(num_draft_tokens=[4]), "settings.num_draft_tokens must be a whole number"),
+    (lambda d: d["settings"].update(chat="yes"), "settings.chat must be true or false"),
+    (lambda d: d["settings"].pop("target"), "settings lack 'target'"),
+    (lambda d: d.update(settings=[1]), "settings must be an object"),
+    (lambda d: d.update(token_fields="id"), "token fields"),
+]
+
+
+@pytest.mark.parametrize("change, message", HOSTILE, ids=[m for _, m in HOSTILE])
+def test_hostile_logs_are_refused_in_one_line_and_quickly(log: RaceLog, change, message) -> None:
+    import time
+
+    data = copy.deepcopy(log.to_json())
+    change(data)
+    started = time.perf_counter()
+    with pytest.raises(RaceLogError) as caught:
+        RaceLog.from_json(json.loads(json.dumps(data)), source="the log")
+    assert message in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
+    assert time.perf_counter() - started < 5.0  # a second on an idle machine; generous for a shared one
+
+
+def test_an_oversized_file_is_refused_before_it_is_read(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "race.json"
+    path.write_text("{}" + " " * 2000)
+    monkeypatch.setattr(racelog, "MAX_LOG_BYTES", 1000)
+    with pytest.raises(RaceLogError, match="more than any race log"):
+        racelog.load(path)
+
+
+def test_a_race_too_long_for_a_video_is_refused_with_a_remedy(log: RaceLog) -> None:
+    long = copy.deepcopy(log)
+    long.spec[-1].clock = 3000.0
+    with pytest.raises(ValueError, match="more than 10 min; record it with --speed 5 or more"):
+        video.frame_times(long, video.VideoSettings())
+    assert len(video.frame_times(long, video.VideoSettings(speed=5))) == 600 * 30 + 1 + 2 * 30
+    long.spec[-1].clock = 80000.0
+    with pytest.raises(ValueError, match="record it as --html"):
+        video.frame_times(long, video.VideoSettings(speed=100))
+
+
+def test_the_cli_and_the_recorder_refuse_a_hostile_log(log: RaceLog, tmp_path: Path, capsys) -> None:
+    data = log.to_json()
+    data["sides"]["spec"][1]["drafted"] = 10**7
+    path = tmp_path / "hostile.json"
+    path.write_text(json.dumps(data))
+    assert record.main(["--from", str(path), "--html", str(tmp_path / "out.html")]) == 2
+    err = capsys.readouterr().err
+    assert "drafted must be a whole number from 0 to 64" in err and not (tmp_path / "out.html").exists()
+    with pytest.warns(UserWarning, match="recording failed: .*drafted must be a whole number"):
+        assert not any(button.interactive for button in Recorder().files({"log": data}))
+
+
 def test_non_json_and_missing_files_are_refused(tmp_path: Path) -> None:
     page = tmp_path / "race.html"
     page.write_text("<html></html>")

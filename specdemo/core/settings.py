@@ -14,6 +14,8 @@ logger = logging.getLogger(__name__)
 #: draft, and the int8 formats' row-wise attention takes at most 65 queries per pass
 #: (``backends.formats.ROW_WISE_MAX_QUERIES``, which is derived from this constant: core imports no backend)
 MAX_NUM_DRAFT_TOKENS = 64
+#: the most new tokens a run may write
+MAX_NEW_TOKENS = 32768
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,6 @@ class GenerationSettings:
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a whole number >= 1, got {self.max_new_tokens!r}")
-        if self.max_new_tokens > 32768:
-            raise ValueError(f"max_new_tokens must be at most 32768, got {self.max_new_tokens}")
+        if self.max_new_tokens > MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be at most {MAX_NEW_TOKENS}, got {self.max_new_tokens}")
         self.sampling.validate()

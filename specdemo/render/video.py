@@ -50,6 +50,10 @@ BADGE_COLOURS = {"same": "#166534", "tie": "#92400e", "diff": "#991b1b", "info":
 DESIGN_WIDTH = 1280
 #: text shrinks with the frame down to this fraction of its design size, no further (a 640-wide GIF stays legible)
 MIN_TEXT_SCALE = 0.72
+#: the fastest pace of a video: race seconds per video second
+MAX_SPEED = 100
+#: the longest video a recording makes, in seconds (a longer race needs a higher speed)
+MAX_VIDEO_SECONDS = 600
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,8 @@ class VideoSettings:
             raise ValueError(f"the video size must be even and at least 320x180, got {self.width}x{self.height}")
         if not 1 <= self.fps <= 60:
             raise ValueError(f"fps must be between 1 and 60, got {self.fps}")
-        if not (0.05 <= self.speed <= 100):
-            raise ValueError(f"speed must be between 0.05 and 100, got {self.speed}")
+        if not (0.05 <= self.speed <= MAX_SPEED):
+            raise ValueError(f"speed must be between 0.05 and {MAX_SPEED}, got {self.speed}")
         if not (0 <= self.hold_seconds <= 60):
             raise ValueError(f"the final card's hold must be between 0 and 60 s, got {self.hold_seconds}")
 
@@ -90,6 +94,11 @@ def frame_times(log: RaceLog, video: VideoSettings) -> list[float]:
     then the end again for the held final card."""
     step = video.speed / video.fps
     racing = math.ceil(log.seconds / step - 1e-9) + 1
+    if racing - 1 > MAX_VIDEO_SECONDS * video.fps:
+        needed = math.ceil(log.seconds / MAX_VIDEO_SECONDS)
+        remedy = f"record it with --speed {needed} or more" if needed <= MAX_SPEED else "record it as --html"
+        raise ValueError(f"this race lasts {log.seconds:.0f} s: at speed {video.speed:g} its video would run "
+                         f"{racing / video.fps / 60:.0f} min, more than {MAX_VIDEO_SECONDS // 60} min; {remedy}")
     held = round(video.hold_seconds * video.fps)
     return [min(log.seconds, i * step) for i in range(racing)] + [log.seconds] * held
 

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from ..core.events import Counters, RoundEvent, TokenEvent
+from ..core.events import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, RoundEvent, TokenEvent
+from ..core.settings import MAX_NEW_TOKENS, MAX_NUM_DRAFT_TOKENS
 from .results import race_runs
 
 logger = logging.getLogger(__name__)
@@ -40,8 +42,65 @@ TOKEN_FIELDS = ("id", "text", "kind", "draft_prob", "target_prob")
 SIDES = ("plain", "spec")
 
 
+#: what a log may hold, from what a race can produce: tokens per side (a run writes at most MAX_NEW_TOKENS, and its
+#: last round at most a draft more), tokens and drafts per round, seconds on a side's clock (a day), the longest
+#: token piece and setting text, the prompt, and the file itself
+MAX_SIDE_TOKENS = MAX_NEW_TOKENS + MAX_NUM_DRAFT_TOKENS + 1
+MAX_ROUND_TOKENS = MAX_NUM_DRAFT_TOKENS + 1
+MAX_SECONDS = 24 * 3600.0
+MAX_PIECE_CHARS = 1024
+MAX_TEXT_CHARS = 1000
+MAX_PROMPT_CHARS = 2_000_000
+MAX_LOG_BYTES = 64 * 1024 * 1024
+#: the kinds a logged token may have
+KINDS = (PLAIN, ACCEPTED, CORRECTED, BONUS, REJECTED)
+
+
 class RaceLogError(ValueError):
     """A file that is not a race log this version can read, with a one-line reason."""
+
+
+def _whole(value: Any, name: str, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{name} must be a whole number from {low} to {high}, not {_shown(value)}")
+    return value
+
+
+def _real(value: Any, name: str, low: float, high: float) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not (
+            low <= value <= high):
+        raise ValueError(f"{name} must be a number from {low:g} to {high:g}, not {_shown(value)}")
+    return float(value)
+
+
+def _text(value: Any, name: str, longest: int = MAX_TEXT_CHARS) -> str:
+    if not isinstance(value, str) or len(value) > longest:
+        raise ValueError(f"{name} must be text of at most {longest} characters, not {_shown(value)}")
+    return value
+
+
+def _maybe(value: Any, read, *args) -> Any:
+    return None if value is None else read(value, *args)
+
+
+def _list(value: Any, name: str, longest: int) -> list:
+    if not isinstance(value, list) or len(value) > longest:
+        raise ValueError(f"{name} must be a list of at most {longest} items, not {_shown(value)}")
+    return value
+
+
+def _object(value: Any, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object, not {_shown(value)}")
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it: its type for containers, a short repr otherwise."""
+    if isinstance(value, (list, dict)):
+        return f"a {'list' if isinstance(value, list) else 'object'} of {len(value)}"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)
@@ -116,18 +175,23 @@ class LoggedRound:
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> LoggedRound:
-        index = int(data["round"])
+    def from_json(cls, data: Any, name: str = "a round") -> LoggedRound:
+        """One round, every field checked for type and range (ValueError naming the field)."""
+        data = _object(data, name)
+        index = _whole(data["round"], f"{name}'s round", 0, MAX_SIDE_TOKENS)
+        drafted = _whole(data.get("drafted", 0), f"{name}'s drafted", 0, MAX_NUM_DRAFT_TOKENS)
+        tokens = _list(data["tokens"], f"{name}'s tokens", MAX_ROUND_TOKENS)
+        rejected = _list(data.get("rejected", []), f"{name}'s rejected", MAX_NUM_DRAFT_TOKENS)
         return cls(
             index=index,
-            tokens=[_token_event(row, index) for row in data["tokens"]],
-            rejected=[_token_event(row, index) for row in data.get("rejected", [])],
-            drafted=int(data.get("drafted", 0)),
-            accepted=int(data.get("accepted", 0)),
-            draft_seconds=float(data.get("draft_s", 0.0)),
-            verify_seconds=float(data["verify_s"]),
-            clock=float(data["t"]),
-            finish_reason=data.get("finish"),
+            tokens=[_token_event(row, index, f"{name}'s token") for row in tokens],
+            rejected=[_token_event(row, index, f"{name}'s rejected token") for row in rejected],
+            drafted=drafted,
+            accepted=_whole(data.get("accepted", 0), f"{name}'s accepted", 0, drafted),
+            draft_seconds=_real(data.get("draft_s", 0.0), f"{name}'s draft_s", 0.0, MAX_SECONDS),
+            verify_seconds=_real(data["verify_s"], f"{name}'s verify_s", 0.0, MAX_SECONDS),
+            clock=_real(data["t"], f"{name}'s t", 0.0, MAX_SECONDS),
+            finish_reason=_maybe(data.get("finish"), _text, f"{name}'s finish", 64),
         )
 
 
@@ -135,16 +199,70 @@ def _token_row(token: TokenEvent) -> list[Any]:
     return [token.id, token.text, token.kind, token.draft_prob, token.target_prob]
 
 
-def _token_event(row: list[Any], index: int) -> TokenEvent:
-    token_id, text, kind, draft_prob, target_prob = row
+def _token_event(row: Any, index: int, name: str) -> TokenEvent:
+    token_id, text, kind, draft_prob, target_prob = _list(row, name, len(TOKEN_FIELDS))
+    if kind not in KINDS:
+        raise ValueError(f"{name}'s kind must be one of {', '.join(KINDS)}, not {_shown(kind)}")
     return TokenEvent(
-        int(token_id),
-        str(text),
-        str(kind),
+        _whole(token_id, f"{name}'s id", 0, 2**31 - 1),
+        _text(text, f"{name}'s text", MAX_PIECE_CHARS),
+        kind,
         index,
-        None if draft_prob is None else float(draft_prob),
-        None if target_prob is None else float(target_prob),
+        _maybe(draft_prob, _real, f"{name}'s draft_prob", 0.0, 1.0 + 1e-3),
+        _maybe(target_prob, _real, f"{name}'s target_prob", 0.0, 1.0 + 1e-3),
     )
+
+
+def _settings(raw: Any) -> RaceSettings:
+    """The race's settings, each checked for type and range; fields this version does not know are ignored."""
+    raw = dict(_object(raw, "settings"))
+    if "draft_tokens" in raw:  # logs written before the setting had its one name
+        raw.setdefault("num_draft_tokens", raw.pop("draft_tokens"))
+
+    def draft_tokens(value: Any, name: str) -> str | int:
+        return _text(value, name, 32) if isinstance(value, str) else _whole(value, name, 1, MAX_NUM_DRAFT_TOKENS)
+
+    def flag(value: Any, name: str) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, not {_shown(value)}")
+        return value
+
+    checks: dict[str, Callable[[Any, str], Any]] = {
+        "target": _text, "mode": _text, "dtype": _text, "device": _text, "hardware": _text, "method_label": _text,
+        "draft": lambda v, n: _maybe(v, _text, n), "pair": lambda v, n: _maybe(v, _text, n),
+        "prompt": lambda v, n: _text(v, n, MAX_PROMPT_CHARS),
+        "prompt_tokens": lambda v, n: _whole(v, n, 0, MAX_PROMPT_CHARS),
+        "max_new_tokens": lambda v, n: _whole(v, n, 1, MAX_NEW_TOKENS),
+        "num_draft_tokens": draft_tokens,
+        "max_num_draft_tokens": lambda v, n: _maybe(v, _whole, n, 1, MAX_NUM_DRAFT_TOKENS),
+        "temperature": lambda v, n: _real(v, n, 0.0, 100.0),
+        "top_p": lambda v, n: _real(v, n, 0.0, 1.0),
+        "seed": lambda v, n: _maybe(v, _whole, n, -(2**63), 2**64 - 1),
+        "chat": flag,
+    }
+    values = {f.name: checks[f.name](raw[f.name], f"settings.{f.name}") for f in fields(RaceSettings) if f.name in raw}
+    try:
+        return RaceSettings(**values)
+    except TypeError as error:  # a required field missing
+        missing = str(error).split(":")[-1].strip()
+        raise ValueError(f"settings lack {missing}") from None
+
+
+def _side(rows: Any, side: str) -> list[LoggedRound]:
+    """One side's rounds: each checked, numbered 0, 1, 2 ... on a clock that never runs back, with at most
+    :data:`MAX_SIDE_TOKENS` tokens in all."""
+    rounds = [LoggedRound.from_json(row, f"{side} round {n}")
+              for n, row in enumerate(_list(rows, f"the {side} side", MAX_SIDE_TOKENS + 1))]
+    tokens = 0
+    for n, logged in enumerate(rounds):
+        if logged.index != n:
+            raise ValueError(f"{side} round {n} is numbered {logged.index}")
+        if n and logged.clock < rounds[n - 1].clock - 1e-6:
+            raise ValueError(f"{side} round {n}'s clock runs back ({logged.clock:g} s after {rounds[n - 1].clock:g} s)")
+        tokens += len(logged.tokens)
+        if tokens > MAX_SIDE_TOKENS:
+            raise ValueError(f"the {side} side holds more than {MAX_SIDE_TOKENS} tokens")
+    return rounds
 
 
 @dataclass
@@ -261,25 +379,29 @@ class RaceLog:
                 "record the race again"
             )
         try:
-            names = {f.name for f in fields(RaceSettings)}
-            raw = dict(data["settings"])
-            if "draft_tokens" in raw:  # logs written before the setting had its one name
-                raw.setdefault("num_draft_tokens", raw.pop("draft_tokens"))
-            settings = RaceSettings(**{k: v for k, v in raw.items() if k in names})
-            if list(data["token_fields"]) != list(TOKEN_FIELDS):
-                raise ValueError(f"token fields {data['token_fields']} are not {list(TOKEN_FIELDS)}")
-            sides = {side: [LoggedRound.from_json(r) for r in data["sides"][side]] for side in SIDES}
-            outcome = data["outcome"]
+            settings = _settings(data["settings"])
+            if data["token_fields"] != list(TOKEN_FIELDS):
+                raise ValueError(f"token fields {_shown(data['token_fields'])} are not {list(TOKEN_FIELDS)}")
+            sides = _object(data["sides"], "sides")
+            rounds = {side: _side(sides[side], side) for side in SIDES}
+            outcome = _object(data["outcome"], "outcome")
+            done = outcome["done"]
+            if not isinstance(done, bool):
+                raise ValueError(f"outcome.done must be true or false, not {_shown(done)}")
             divergence = outcome.get("divergence")
+            position = margin = None
+            if divergence is not None:
+                divergence = _object(divergence, "outcome.divergence")
+                position = _whole(divergence["position"], "outcome.divergence.position", 0, MAX_SIDE_TOKENS)
+                margin = _maybe(divergence.get("logit_margin"), _real, "outcome.divergence.logit_margin", 0.0, 1e6)
             return cls(
                 settings,
-                sides["plain"],
-                sides["spec"],
-                done=bool(outcome["done"]),
-                divergence=None if divergence is None else int(divergence["position"]),
-                margin=None if divergence is None or divergence["logit_margin"] is None
-                else float(divergence["logit_margin"]),
-                stop_reason=outcome.get("stop_reason"),
+                rounds["plain"],
+                rounds["spec"],
+                done=done,
+                divergence=position,
+                margin=margin,
+                stop_reason=_maybe(outcome.get("stop_reason"), _text, "outcome.stop_reason"),
             )
         except (KeyError, TypeError, ValueError) as error:
             detail = f"missing {error}" if isinstance(error, KeyError) else str(error).splitlines()[0]
@@ -299,6 +421,9 @@ def load(path: str | Path) -> RaceLog:
     """A log from a file written by :func:`dump`, the app's download, or a saved ``/race`` response."""
     path = Path(path)
     try:
+        if path.stat().st_size > MAX_LOG_BYTES:
+            raise RaceLogError(f"{path} takes {path.stat().st_size / 2**20:.0f} MiB: more than any race log "
+                               f"({MAX_LOG_BYTES // 2**20} MiB at most)")
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise RaceLogError(f"cannot read {path}: {getattr(error, 'strerror', None) or error}") from None

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from ..backends.loading import FORMATS, LoadedModel
 from ..core.errors import InputError, first_line
-from ..core.settings import GenerationSettings, SamplingSettings
+from ..core.settings import MAX_NEW_TOKENS, GenerationSettings, SamplingSettings
 from ..methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, get_method
 from .config import SessionConfig
 from .presets import PairPreset, preset_eagle_head
@@ -30,8 +30,6 @@ DTYPES = ("auto", *FORMATS)
 QUANTIZATIONS: dict[str, str | None] = {"none": None, "8bit": "8bit", "4bit": "4bit"}
 #: no real text averages more characters per token than this, so a longer prompt is over the cap for certain
 MAX_CHARS_PER_TOKEN = 12
-#: the most new tokens a run may write (what :class:`~specdemo.core.settings.GenerationSettings` allows)
-MAX_NEW_TOKENS = 32768
 
 
 @dataclass
