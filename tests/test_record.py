@@ -107,6 +107,44 @@ def test_log_is_compact(log: RaceLog) -> None:
     assert "counters" not in json.dumps(data) and "accepted_lengths" not in json.dumps(data)
 
 
+RACED_MODES = ["draft", "ngram", "uag", "medusa", "medusa-chain", "eagle", "eagle-chain"]
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory) -> dict[str, str]:
+    from tiny import save_tiny_eagle_head, save_tiny_heads
+
+    folder = tmp_path_factory.mktemp("heads")
+    return {"medusa_heads": save_tiny_heads(folder / "medusa", vocab=tiny_app.VOCAB),
+            "eagle_head": save_tiny_eagle_head(folder / "eagle", vocab=tiny_app.VOCAB, draft_vocab=96)}
+
+
+@pytest.mark.parametrize("mode", RACED_MODES)
+def test_a_log_rebuilds_every_live_figure_of_every_mode(mode, heads) -> None:
+    """What the app showed live (counters, per-position counts, metrics, the comparison) is what a recording
+    rebuilds from the log, after a trip through JSON."""
+    racer = Racer(tiny_app.config(**heads))
+    pair = "tiny-mismatch" if mode == "uag" else "tiny"
+    request = RaceRequest(PROMPT, pair, mode=mode, num_draft_tokens="4" if "chain" in mode or mode in (
+        "draft", "uag", "ngram") else "adaptive", max_new_tokens=24, dtype="float32")
+    live = None
+    for live in racer.run(racer.prepare(request)):
+        pass
+    assert live is not None and live.done
+    rebuilt = RaceState.from_log(RaceLog.from_json(json.loads(racelog.dumps(live.log()))))
+    for side in ("plain", "spec"):
+        live_pane, rebuilt_pane = getattr(live, side), getattr(rebuilt, side)
+        assert rebuilt_pane.counters == live_pane.counters, side
+        assert rebuilt_pane.metrics() == live_pane.metrics(), side
+        assert [(t.id, t.kind) for t in rebuilt_pane.shown] == [(t.id, t.kind) for t in live_pane.shown]
+    assert rebuilt.comparison == live.comparison
+    assert rebuilt.runs() == live.runs()
+    if mode in ("medusa", "eagle"):  # trees: the per-position counts go by depth, not by node count
+        depths = [r.depth for r in live.spec.rounds if r.drafted]
+        assert depths and all(d is not None and d <= r.drafted for d, r in zip(
+            depths, [r for r in live.spec.rounds if r.drafted]))
+
+
 def test_a_race_stopped_by_the_time_budget_is_logged_as_such() -> None:
     racer = Racer(tiny_app.config(race_time_budget=0.3))
     request = RaceRequest(PROMPT, "tiny-slow", mode="draft", num_draft_tokens="4", max_new_tokens=400, dtype="float32")

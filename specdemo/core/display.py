@@ -29,7 +29,7 @@ from .events import (
 )
 from .protocol import Proposal
 from .settings import GenerationSettings
-from .tree import chain_parents
+from .tree import chain_parents, tree_depths
 
 logger = logging.getLogger(__name__)
 
@@ -158,5 +158,6 @@ class EventMaker:
             done.draft_seconds,
             done.verify_seconds,
             counters.snapshot(),
+            depth=None if chain else max(tree_depths(parents), default=-1) + 1,
         )
         return self._finish(event, output_ids, finish_reason)

@@ -122,3 +122,4 @@ class RoundEvent:
     finish_reason: str | None = None  # "eos" or "length"
     new_token_ids: list[int] = field(default_factory=list)  # the whole output so far (set on the final event)
     text: str = ""  # the whole output text so far (set on the final event)
+    depth: int | None = None  # a tree's depth, its longest path (None: a chain, as deep as it is long)

@@ -14,10 +14,12 @@ figures are rebuilt from the rounds exactly as the engine added them up (:meth:`
      "figures": {"plain": RUN, "spec": RUN}}   # derived, for readers; ignored on load
 
     ROUND = {"round": 3, "t": 1.234, "draft_s": 0.02, "verify_s": 0.1, "drafted": 4, "accepted": 2,
-             "tokens": [[id, text, kind, draft_prob, target_prob], ...], "rejected": [...], "finish": "length"}
+             "depth": 3, "tokens": [[id, text, kind, draft_prob, target_prob], ...], "rejected": [...],
+             "finish": "length"}
 
-``t`` is the side's own compute clock at the end of the round; zero counts, empty lists and a missing finish are
-left out. ``RUN`` is the one results schema (:class:`~specdemo.session.results.RunResult`). No torch here: a saved
+``t`` is the side's own compute clock at the end of the round; ``depth`` (trees only) is the tree's longest path,
+which the per-position counts go by; zero counts, empty lists and a missing finish are left out. ``RUN`` is the one
+results schema (:class:`~specdemo.session.results.RunResult`). No torch here: a saved
 log is re-rendered without loading it.
 """
 
@@ -143,6 +145,7 @@ class LoggedRound:
     verify_seconds: float = 0.0  # round 0: the prompt pass
     clock: float = 0.0  # the side's own compute seconds at the end of this round
     finish_reason: str | None = None
+    depth: int | None = None  # a tree's longest path, which the per-position counts go by (None: a chain)
 
     @classmethod
     def from_event(cls, event: RoundEvent) -> LoggedRound:
@@ -156,6 +159,7 @@ class LoggedRound:
             verify_seconds=event.verify_seconds,
             clock=event.counters.seconds,
             finish_reason=event.finish_reason if event.finished else None,
+            depth=event.depth,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -167,6 +171,8 @@ class LoggedRound:
             data["drafted"] = self.drafted
         if self.accepted:
             data["accepted"] = self.accepted
+        if self.depth is not None:
+            data["depth"] = self.depth
         data["tokens"] = [_token_row(t) for t in self.tokens]
         if self.rejected:
             data["rejected"] = [_token_row(t) for t in self.rejected]
@@ -192,6 +198,7 @@ class LoggedRound:
             verify_seconds=_real(data["verify_s"], f"{name}'s verify_s", 0.0, MAX_SECONDS),
             clock=_real(data["t"], f"{name}'s t", 0.0, MAX_SECONDS),
             finish_reason=_maybe(data.get("finish"), _text, f"{name}'s finish", 64),
+            depth=_maybe(data.get("depth"), _whole, f"{name}'s depth", 0, drafted),
         )
 
 
@@ -294,7 +301,7 @@ class RaceLog:
             else:
                 counters.draft_seconds += logged.draft_seconds
                 counters.verify_seconds += logged.verify_seconds
-                counters.record_round(logged.drafted, logged.accepted, logged.accepted + 1)
+                counters.record_round(logged.drafted, logged.accepted, logged.accepted + 1, logged.depth)
             ids.extend(t.id for t in logged.tokens)
             pieces.extend(t.text for t in logged.tokens)
             counters.new_tokens = len(ids)
@@ -313,6 +320,7 @@ class RaceLog:
                 finish_reason=logged.finish_reason,
                 new_token_ids=list(ids) if finished else [],
                 text="".join(pieces) if finished else "",
+                depth=logged.depth,
             )
 
     def timeline(self) -> list[RoundEvent]:
