@@ -40,6 +40,14 @@ def env_number(name: str, kind: type, default: float | None = None) -> float | N
     return value
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def is_hosted(host: str, share: bool) -> bool:
+    """Strangers can reach the app: on a Hugging Face Space, with a public share link, or bound beyond loopback."""
+    return spaces_compat.ON_SPACES or share or host.strip().lower() not in LOOPBACK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Speculative decoding race: plain vs speculative, side by side.")
     parser.add_argument(
@@ -57,13 +65,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="the target's format, as in the bench (the app's dropdown starts there); auto: on a CPU, the fastest "
         "measured",
     )
-    parser.add_argument(
-        "--no-custom-models",
+    custom = os.environ.get("SPECDEMO_CUSTOM_MODELS", "").strip()
+    custom_models = parser.add_mutually_exclusive_group()
+    custom_models.add_argument(
+        "--custom-models",
         dest="custom_models",
-        action="store_false",
-        default=os.environ.get("SPECDEMO_CUSTOM_MODELS", "1").strip() != "0",
-        help="hide the custom target/draft boxes (for hosted use; or set SPECDEMO_CUSTOM_MODELS=0, e.g. on a "
-        "Space): only the presets can be raced",
+        action="store_const",
+        const=True,
+        default=None if not custom else custom != "0",
+        help="offer the custom target/draft boxes (or SPECDEMO_CUSTOM_MODELS=1). Default: on when served on "
+        "loopback only, off on a Space, with --share or bound beyond loopback; when on there, custom models are Hub "
+        "ids only (or folders under --model-root), downloads capped by --max-download-gb",
+    )
+    custom_models.add_argument(
+        "--no-custom-models", dest="custom_models", action="store_const", const=False,
+        help="presets only (or SPECDEMO_CUSTOM_MODELS=0)",
+    )
+    roots = [root for root in os.environ.get("SPECDEMO_MODEL_ROOTS", "").split(os.pathsep) if root.strip()]
+    parser.add_argument(
+        "--model-root", action="append", default=roots, metavar="DIR",
+        help="a folder whose models (folders, .gguf files) a hosted app's visitors may name; repeatable (or "
+        "SPECDEMO_MODEL_ROOTS, separated by %r)" % os.pathsep,
+    )
+    parser.add_argument(
+        "--max-download-gb", type=positive_float, default=env_number("SPECDEMO_MAX_DOWNLOAD_GB", float, 16.0),
+        help="the largest Hub model a hosted app's visitor may have downloaded (default 16; or "
+        "SPECDEMO_MAX_DOWNLOAD_GB)",
     )
     parser.add_argument(
         "--preload",
@@ -112,11 +139,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specdemo.app.config import AppConfig
     from specdemo.app.ui import build_app, launch, preload
 
+    hosted = is_hosted(args.host, args.share)
     config = AppConfig(
         pair=args.pair,
         device=args.device,
         dtype=args.dtype,
-        custom_models=args.custom_models,
+        custom_models=(not hosted) if args.custom_models is None else args.custom_models,
+        hosted=hosted,
+        model_roots=tuple(args.model_root),
+        max_download_gb=args.max_download_gb,
         max_new_tokens_limit=args.max_new_tokens_limit,
         max_prompt_tokens=args.max_prompt_tokens,
         race_time_budget=args.race_time_budget,

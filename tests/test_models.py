@@ -135,7 +135,7 @@ def test_cache_returns_same_object(tiny_folder: Path) -> None:
     first = load_model(str(tiny_folder), CPU32, progress=False)
     second = load_model(str(tiny_folder) + "/", CPU32, progress=False)
     assert first is second
-    assert sm.cached_models() == [(str(tiny_folder.resolve()), "float32", "cpu", None, False)]
+    assert sm.cached_models() == [(str(tiny_folder.resolve()), "float32", "cpu", None, True)]  # local files allowed
     sm.clear_model_cache()
     assert sm.cached_models() == []
     assert load_model(str(tiny_folder), CPU32, progress=False) is not first

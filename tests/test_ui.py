@@ -373,7 +373,7 @@ def test_app_arguments() -> None:
     app = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(app)
     args = app.build_parser().parse_args([])
-    assert args.host == "127.0.0.1" and args.share is False and args.custom_models is True
+    assert args.host == "127.0.0.1" and args.share is False and args.custom_models is None  # main decides: on unless hosted
     args = app.build_parser().parse_args(["--no-custom-models", "--pair", "smollm2-1.7b", "--port", "7999"])
     assert args.custom_models is False and args.pair == "smollm2-1.7b" and args.port == 7999
     with pytest.raises(SystemExit):

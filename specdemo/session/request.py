@@ -11,11 +11,14 @@ front end takes the same values within the same limits.
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
-from ..backends.loading import FORMATS, LoadedModel
+from ..backends.loading import FORMATS, HUB_ID, LoadedModel
+from ..backends.offline import is_offline_source
 from ..core.errors import InputError, first_line
 from ..core.settings import MAX_NEW_TOKENS, GenerationSettings, SamplingSettings
 from ..methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, get_method
@@ -63,6 +66,8 @@ class Checked:
     draft_source: str | None
     preset: PairPreset | None
     max_prompt_tokens: int
+    #: the sources that must not be read from this machine's disk (a hosted app's custom Hub ids)
+    remote_only: frozenset[str] = field(default_factory=frozenset)
 
 
 @contextmanager
@@ -165,12 +170,42 @@ def check_lengths(target: LoadedModel, prompt_ids: list[int], settings: Generati
 # the whole request
 
 
-def resolve_sources(request: RaceRequest, config: SessionConfig) -> tuple[str, str | None, PairPreset | None]:
-    """(target, draft, preset) sources of a request; the custom sources override the preset's."""
+def hosted_source(text: str, roots: Sequence[str]) -> tuple[str, bool]:
+    """(source, may be read from disk) of a custom source on a hosted app: a Hub id or an ``offline:`` name (never
+    looked up on disk), or a folder or ``.gguf`` under one of the operator's model roots (as its real path, links
+    resolved). Anything else is refused with the same words whether or not such a path exists."""
+    if is_offline_source(text) or (HUB_ID.fullmatch(text) and ".." not in text):
+        return text, False
+    if text.startswith(("/", "~")) and roots:
+        real = Path(os.path.realpath(os.path.expanduser(text)))
+        for root in roots:
+            if real.is_relative_to(os.path.realpath(os.path.expanduser(root))):
+                return str(real), True
+    allowed = "Hub ids (owner/name)" + (" and paths under this server's model roots" if roots else "")
+    raise InputError(f"custom models on this server are {allowed} only")
+
+
+def resolve_sources(
+    request: RaceRequest, config: SessionConfig
+) -> tuple[str, str | None, PairPreset | None, frozenset[str]]:
+    """(target, draft, preset, remote-only sources) of a request; the custom sources override the preset's. On a
+    hosted app a custom source is checked by :func:`hosted_source` before anything else."""
     custom_target = (request.target or "").strip()
     custom_draft = (request.draft or "").strip()
     if (custom_target or custom_draft) and not config.custom_models:
         raise InputError("custom models are switched off on this server: pick a pair preset")
+    remote_only: set[str] = set()
+    if config.hosted:  # strangers: Hub ids, or folders the operator named
+
+        def hosted(text: str) -> str:
+            if not text:
+                return text
+            source, local = hosted_source(text, config.model_roots)
+            if not local:
+                remote_only.add(source)
+            return source
+
+        custom_target, custom_draft = hosted(custom_target), hosted(custom_draft)
     preset = None
     pair = (request.pair or "").strip() or config.default_pair()
     if pair not in config.presets:
@@ -185,7 +220,7 @@ def resolve_sources(request: RaceRequest, config: SessionConfig) -> tuple[str, s
         draft = None
     elif not draft:
         raise InputError(f"mode {request.mode!r} needs a draft model: pick a pair or fill in the custom draft")
-    return target, draft, preset
+    return target, draft, preset, frozenset(remote_only)
 
 
 def check_request(request: RaceRequest, config: SessionConfig) -> Checked:
@@ -235,7 +270,8 @@ def check_request(request: RaceRequest, config: SessionConfig) -> Checked:
             if reason:
                 raise InputError(reason)
     with _blame("pair"):
-        target_source, draft_source, preset = resolve_sources(request, config)
+        target_source, draft_source, preset, remote_only = resolve_sources(request, config)
     if spec.eagle_head is None and preset_eagle_head(preset, target_source) is not None:
         spec = replace(spec, eagle_head=preset_eagle_head(preset, target_source))  # the preset target's head
-    return Checked(settings, spec, dtype, quantization, target_source, draft_source, preset, max_prompt_tokens)
+    return Checked(settings, spec, dtype, quantization, target_source, draft_source, preset, max_prompt_tokens,
+                   remote_only)
