@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--preload",
         action="store_true",
-        default=spaces_compat.ZERO_GPU,
-        help="load the default pair before serving (on by default on ZeroGPU Spaces)",
+        default=spaces_compat.ZERO_GPU or spaces_compat.ON_SPACES,
+        help="load the default pair before serving, with --dtype auto choosing its format and measuring its cost "
+        "curve first (on by default on Spaces)",
     )
     parser.add_argument("--max-new-tokens-limit", type=int, default=2048, help="largest max new tokens allowed")
     parser.add_argument(

@@ -44,7 +44,7 @@ from .core.metrics import compare, decode_rate, decode_speedup, run_metrics
 from .core.settings import GenerationSettings, SamplingSettings
 from .methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, check_pair
 from .methods.ngram import NGRAM_PREFERENCES
-from .session.calibration import FormatChoice, choose_format
+from .session.calibration import FormatChoice, choose_format, refresh_if_stale
 from .session.config import WARMUP_TOKENS
 from .session.pipeline import encode_prompt, plain_events, spec_events
 from .session.presets import PRESETS, default_preset_key, get_preset, preset_eagle_head
@@ -218,6 +218,14 @@ def repeat_rates(rows: list[dict]) -> list[float]:
     speedup between repeats shows beside its median."""
     per_repeat = zip(zip(*(r["new_tokens_all_repeats"] for r in rows)), zip(*(r["seconds_all_repeats"] for r in rows)))
     return [sum(tokens) / sum(seconds) if sum(seconds) > 0 else 0.0 for tokens, seconds in per_repeat]
+
+
+def plain_step_seconds(results: list[dict]) -> float | None:
+    """Seconds per plain decoding step over a run's plain rows (the prompt pass and its first token left out)."""
+    rows = [r for r in results if r["mode"] == "plain" and r.get("prefill_seconds") is not None]
+    steps = sum(len(r["new_token_ids"]) - 1 for r in rows)
+    seconds = sum(r["seconds"] - r["prefill_seconds"] for r in rows)
+    return seconds / steps if steps > 0 and seconds > 0 else None
 
 
 def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, str], Counters]) -> dict[str, dict]:
@@ -670,6 +678,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         report["calibration"] = curve.as_dict() if curve is not None else None
         report["format"] = choice.as_dict()
+        report["calibration_stale"] = refresh_if_stale(curve, plain_step_seconds(report["results"]), choice)
+        if report["calibration_stale"]:
+            print(f"warning: the cached cost curve is stale ({report['calibration_stale']}); it is measured again "
+                  "at the next run", file=sys.stderr)
     except (InputError, PromptFileError, ModelLoadError, OfflinePackError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -94,6 +94,7 @@ def test_calibrate_measures_once_then_reads_the_cache(tmp_path, monkeypatch: pyt
     target, draft = loaded(llama(1), "tiny:target"), loaded(llama(2, layers=1), "tiny:draft")
     measured = []
     real_measure = calibration.measure
+    monkeypatch.setattr(calibration, "curve_problem", lambda *args: None)  # a tiny model's timings are noise
 
     def counting_measure(*args, **kwargs):
         measured.append(1)
@@ -335,10 +336,11 @@ def test_auto_picks_the_fastest_format_where_speculation_can_pay(curves, expecte
 def test_choose_format_measures_each_candidate_once_per_machine(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from specdemo.backends.formats import to_int8_format
 
-    loads, forgotten = [], []
+    loads, forgotten, events = [], [], []
 
     def fake_load(source, settings, progress=True, on_progress=None):
         loads.append(settings.dtype)
+        events.append(("load", settings.dtype))
         if settings.dtype in ("int8", "w8a8"):
             model = to_int8_format(llama(1), settings.dtype)
         else:
@@ -347,11 +349,16 @@ def test_choose_format_measures_each_candidate_once_per_machine(tmp_path, monkey
 
     recorded = {"int8": NATIVE_INT8, "bfloat16": NATIVE_BF16_MEASURED, "w8a8": curve(NATIVE, 0.090, [1.0] * 5)}
     monkeypatch.setattr(calibration, "measure", lambda target, draft, **kwargs: recorded[target.format])
-    monkeypatch.setattr(calibration, "forget_model", lambda source, settings: forgotten.append(settings.dtype))
+    def forget(source, settings):
+        forgotten.append(settings.dtype)
+        events.append(("forget", settings.dtype))
+
+    monkeypatch.setattr(calibration, "forget_model", forget)
     auto = LoadSettings(dtype="auto", device="cpu")
     choice = calibration.choose_format("tiny:target", auto, folder=tmp_path, load=fake_load)
     assert choice.format == "int8" and sorted(loads) == ["bfloat16", "int8", "w8a8"]
-    assert sorted(forgotten) == ["bfloat16", "w8a8"]
+    # one candidate in memory at a time: each is freed before the next loads (the caller loads the chosen one)
+    assert events == [(kind, fmt) for fmt in calibration.AUTO_FORMATS for kind in ("load", "forget")]
     assert "66 ms" in choice.reason and "bfloat16 150 ms" in choice.reason and "w8a8 90 ms" in choice.reason
     again = calibration.choose_format("tiny:target", auto, folder=tmp_path, load=fake_load)
     assert again.format == "int8" and len(loads) == 3  # the choice is cached per machine: nothing loaded again
@@ -363,3 +370,108 @@ def test_choose_format_measures_each_candidate_once_per_machine(tmp_path, monkey
     for path in tmp_path.glob("format-*.json"):
         path.write_text("{damaged")
     assert calibration.cached_format_choice("tiny:target", auto, folder=tmp_path) is None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a noisy minute does not make a curve
+
+
+BUSY = [1.172, 0.62, 0.70, 0.80, 1.00]  # measured with another program on the cores: 2 tokens at 0.53 of 1
+
+
+def test_a_curve_where_more_tokens_cost_less_is_implausible() -> None:
+    assert economics.curve_problem([1, 2, 4, 8, 16], [0.1, 0.1, 0.105, 0.12, 0.16]) is None
+    assert economics.curve_problem([1, 2, 4, 8, 16], [0.1, 0.085, 0.1, 0.12, 0.16]) is None  # within 20 %
+    problem = economics.curve_problem([1, 2, 4, 8, 16], BUSY)
+    assert problem.startswith("a pass over 2 tokens measured 0.53 of one over 1")
+    assert economics.curve_problem([1, 2, 4], [0.1, 0.2, 0.15]).startswith("a pass over 4 tokens measured 0.75 of one over 2")
+
+
+def test_a_noisy_measurement_is_repeated_and_one_that_stays_noisy_serves_one_run_uncached(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = loaded(llama(1), "tiny:target")
+    answers = [BUSY, BUSY, [0.1, 0.1, 0.11, 0.12, 0.16]]
+    monkeypatch.setattr(calibration, "_median_pass_seconds", lambda *args, **kwargs: list(answers.pop(0)))
+    settled = calibrate(target, None, folder=tmp_path)
+    assert settled.reliable and not answers and settled.seconds[0] == 0.1  # measured three times
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    monkeypatch.setattr(calibration, "_median_pass_seconds", lambda *args, **kwargs: list(BUSY))
+    noisy = calibrate(target, None, refresh=True, folder=tmp_path / "other")
+    assert not noisy.reliable and "2 tokens measured 0.53" in noisy.problem
+    assert not (tmp_path / "other").exists() and noisy.cache_file is None  # not cached
+    assert "UNRELIABLE cost curve, for this run only (not cached)" in noisy.summary()
+    # an implausible curve in the cache (an older version wrote one) is measured again
+    path = next(tmp_path.glob("*.json"))
+    data = json.loads(path.read_text())
+    data["seconds"] = BUSY
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(calibration, "_median_pass_seconds", lambda *args, **kwargs: [0.2, 0.2, 0.21, 0.22, 0.3])
+    again = calibrate(target, None, folder=tmp_path)
+    assert not again.from_cache and again.seconds[0] == 0.2
+
+
+def test_a_format_choice_made_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake_load(source, settings, progress=True, on_progress=None):
+        return LoadedModel(source, llama(1), None, torch.device("cpu"), torch.float32, settings)
+
+    busy = curve(NATIVE, 1.172, [r / 1.172 for r in BUSY])
+    busy.problem = economics.curve_problem(busy.lengths, busy.seconds)
+    recorded = {"int8": NATIVE_INT8, "bfloat16": NATIVE_BF16_MEASURED, "w8a8": busy}
+    monkeypatch.setattr(calibration, "calibrate", lambda target, draft, **kwargs: recorded[target.settings.dtype])
+    monkeypatch.setattr(calibration, "forget_model", lambda source, settings: None)
+    auto = LoadSettings(dtype="auto", device="cpu")
+    choice = calibration.choose_format("tiny:target", auto, folder=tmp_path, load=fake_load)
+    assert not choice.reliable and "for this run only (not cached)" in choice.reason
+    assert calibration.cached_format_choice("tiny:target", auto, folder=tmp_path) is None
+    recorded["w8a8"] = curve(NATIVE, 0.090, [1.0] * 5)
+    choice = calibration.choose_format("tiny:target", auto, folder=tmp_path, load=fake_load)
+    assert choice.reliable and choice.cache_file is not None
+    assert calibration.cached_format_choice("tiny:target", auto, folder=tmp_path).format == choice.format
+
+
+def test_a_cached_curve_that_todays_plain_steps_contradict_is_measured_again(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = loaded(llama(1), "tiny:target")
+    monkeypatch.setattr(calibration, "_median_pass_seconds", lambda *args, **kwargs: [0.1, 0.1, 0.11, 0.12, 0.16])
+    calibrate(target, None, folder=tmp_path)
+    cached = calibrate(target, None, folder=tmp_path)
+    assert cached.from_cache
+    assert calibration.refresh_if_stale(cached, 0.15) is None and cached.contradicted_by(0.06) is None
+    choice_file = tmp_path / "format-x.json"
+    choice_file.write_text("{}")
+    choice = calibration.FormatChoice("bfloat16", "auto", {}, str(choice_file))
+    reason = calibration.refresh_if_stale(cached, 0.25, choice)
+    assert reason == "plain steps took 250 ms, the cost curve says 100 ms (2.50x)"
+    assert not list(tmp_path.glob("*.json"))  # the curve and the choice made from it are gone
+    assert calibration.refresh_if_stale(calibrate(target, None, folder=tmp_path), 0.04) is None  # just measured
+    assert "0.40x" in (calibrate(target, None, folder=tmp_path).contradicted_by(0.04) or "")
+
+
+def test_a_pair_switch_frees_the_old_pair_before_the_new_target_loads(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Peak memory of a switch: the old pair is freed before any format candidate of the new target loads, and the
+    candidates load one at a time."""
+    import tiny_app
+
+    from specdemo.session.racer import Racer
+    from specdemo.session.request import RaceRequest
+
+    monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path))
+    events = []
+    quick = [0.1, 0.1, 0.11, 0.12, 0.16]
+    monkeypatch.setattr(calibration, "_median_pass_seconds", lambda lm, vocab, lengths, *a, **k: quick[: len(lengths)])
+    monkeypatch.setattr(calibration, "forget_model", lambda source, settings: events.append(("forget", source)))
+
+    def loader(source, settings, progress=True, on_progress=None):
+        events.append(("load", source))
+        return tiny_app.loader(source, settings, progress, on_progress)
+
+    def forget_models(keep):
+        events.append(("free all but", tuple(sorted(k[0] for k in keep))))
+
+    racer = Racer(tiny_app.config(calibrate=True, dtype="auto", loader=loader, forget_models=forget_models))
+    racer.prepare(RaceRequest("hello world", "tiny", mode="ngram", max_new_tokens=4, dtype="auto"))
+    events.clear()
+    racer.prepare(RaceRequest("hello world", "tiny-slow", mode="ngram", max_new_tokens=4, dtype="auto"))
+    assert events[0] == ("free all but", ())  # the old pair goes first
+    candidates = [e for e in events if e[1] == "tiny:slow"][: 2 * len(calibration.AUTO_FORMATS)]
+    assert candidates == [(kind, "tiny:slow") for _ in calibration.AUTO_FORMATS for kind in ("load", "forget")]

@@ -77,4 +77,6 @@ def cost_plot_update(prepared: Prepared) -> Any:
     draft_cost = 0.0 if prepared.spec.method.drafts_for_free else None  # no draft model runs: drafting is free
     title = f"On this machine a pass over k tokens costs this much of a one-token pass ({curve.hardware.describe()}, " \
         f"{curve.dtype})"
+    if not curve.reliable:
+        title += f" - UNRELIABLE, this race only: {curve.problem}"
     return gr.update(value=cost_frame(curve, draft_cost), visible=True, title=title)

@@ -120,9 +120,32 @@ class Hardware:
         return f"{self.name}, {self.threads} threads ({flags}{kernels})"
 
 
+#: a pass over more tokens may come out cheaper than a pass over fewer by at most this share (timer noise); beyond
+#: it the machine was busy while it was measured
+MONOTONE_TOLERANCE = 0.2
+#: the plain steps of a run may cost from half to twice a cached curve's one-token pass; beyond, the curve is stale
+STALE_RATIO = 2.0
+
+
+def curve_problem(lengths: Sequence[int], seconds: Sequence[float], tolerance: float = MONOTONE_TOLERANCE) -> str | None:
+    """Why a measured curve cannot be trusted (a pass over more tokens cheaper than one over fewer, beyond
+    ``tolerance``), or None."""
+    for index in range(1, len(seconds)):
+        dearest = max(range(index), key=lambda i: seconds[i])
+        if seconds[index] < seconds[dearest] * (1.0 - tolerance):
+            return (f"a pass over {lengths[index]} tokens measured {seconds[index] / seconds[dearest]:.2f} of one over "
+                    f"{lengths[dearest]}: the machine was busy while it was measured")
+    if any(not s > 0 for s in seconds):
+        return "a pass measured no time"
+    return None
+
+
 @dataclass
 class CostCurve:
-    """Seconds of one target pass over k new tokens after ``prefix_tokens`` cached ones (medians)."""
+    """Seconds of one target pass over k new tokens after ``prefix_tokens`` cached ones (medians).
+
+    ``problem`` says why the curve cannot be trusted (measured on a busy machine; such a curve serves one run and is
+    never cached); ``cache_file`` is where it was read from or written to (None: nowhere)."""
 
     hardware: Hardware
     target: str
@@ -136,7 +159,22 @@ class CostCurve:
     measured_seconds: float = 0.0  # how long the calibration took
     measured_at: str = ""
     version: int = CALIBRATION_VERSION
+    problem: str | None = None
     from_cache: bool = field(default=False, compare=False)
+    cache_file: str | None = field(default=None, compare=False)
+
+    @property
+    def reliable(self) -> bool:
+        return self.problem is None
+
+    def contradicted_by(self, plain_step_seconds: float) -> str | None:
+        """Why a run's plain steps (seconds each, median or mean) say this curve is stale: a one-token pass measured
+        at half or twice the curve's. None when they agree."""
+        ratio = plain_step_seconds / self.seconds[0] if self.seconds[0] > 0 else float("inf")
+        if 1.0 / STALE_RATIO <= ratio <= STALE_RATIO:
+            return None
+        return (f"plain steps took {plain_step_seconds * 1000:.0f} ms, the cost curve says {self.seconds[0] * 1000:.0f} "
+                f"ms ({ratio:.2f}x)")
 
     def cost(self, num_tokens: float) -> float:
         """A pass over ``num_tokens`` new tokens in one-token passes (log-log interpolation between the measured
@@ -178,6 +216,7 @@ class CostCurve:
         data = asdict(self)
         data["hardware"]["flags"] = list(self.hardware.flags)
         data.pop("from_cache")
+        data.pop("cache_file")
         data["relative"] = self.relative
         data["draft_cost"] = self.draft_cost
         data["break_even_acceptance"] = {
@@ -189,7 +228,7 @@ class CostCurve:
     def from_dict(cls, data: dict[str, Any]) -> "CostCurve":
         hardware = dict(data["hardware"])
         hardware["flags"] = tuple(hardware.get("flags", ()))
-        names = {f for f in cls.__dataclass_fields__ if f not in ("hardware", "from_cache")}
+        names = {f for f in cls.__dataclass_fields__ if f not in ("hardware", "from_cache", "cache_file")}
         return cls(hardware=Hardware(**hardware), **{k: v for k, v in data.items() if k in names})
 
     def summary(self) -> str:
@@ -198,6 +237,7 @@ class CostCurve:
         paying = [k for k in range(1, self.lengths[-1] + 1) if self.break_even_acceptance(k) is not None]
         lines = [
             f"machine: {self.hardware.describe()}",
+            *([f"UNRELIABLE cost curve, for this run only (not cached): {self.problem}"] if self.problem else []),
             f"target pass ({self.target}, {self.dtype}): {self.seconds[0] * 1000:.0f} ms for one token; "
             f"a pass over k tokens costs, in one-token passes: {passes}",
         ]

@@ -45,6 +45,7 @@ from ..core.economics import (
     CALIBRATION_VERSION,
     CostCurve,
     Hardware,
+    curve_problem,
     speculation_can_pay,
     speculative_seconds_per_token,
 )
@@ -54,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 #: new tokens per measured pass
 PASS_LENGTHS = (1, 2, 4, 8, 16)
+#: how often a curve that fails :func:`~specdemo.core.economics.curve_problem` is measured again before it is used
+#: for one run only, marked unreliable
+MEASURE_ATTEMPTS = 3
 #: CPU instruction sets that decide what a bfloat16 or int8 pass costs
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
@@ -190,7 +194,13 @@ def measure(
     lm = CachedLM(target.model)
     lm.reset()
     lm.forward(torch.randint(0, vocab_size, (prefix_tokens,), generator=generator), all_logits=False)
-    seconds = _median_pass_seconds(lm, vocab_size, lengths, repeats, budget_seconds, generator)
+    problem = None
+    for attempt in range(1, MEASURE_ATTEMPTS + 1):  # a noisy minute is measured again
+        seconds = _median_pass_seconds(lm, vocab_size, lengths, repeats, budget_seconds, generator)
+        problem = curve_problem(list(lengths), seconds)
+        if problem is None:
+            break
+        logger.warning("Cost curve of %s, attempt %d of %d: %s", target.source, attempt, MEASURE_ATTEMPTS, problem)
     lm.reset()
     draft_seconds = None
     if draft is not None:
@@ -206,6 +216,7 @@ def measure(
         draft=draft.source if draft is not None else None,
         measured_seconds=time.perf_counter() - started,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        problem=problem,
     )
 
 
@@ -243,20 +254,46 @@ def calibrate(
     draft_int8: bool | None = None,
 ) -> CostCurve:
     """The cost curve of ``target`` (and ``draft``, int8 as in :func:`measure`) on this machine: read from the
-    cache, else measured (about 15 s at most) and cached. A damaged cache file is measured again."""
+    cache, else measured (about 15 s at most) and cached. A damaged or implausible cache file is measured again; a
+    curve that stays implausible (see :func:`measure`) serves this run, marked, and is not cached."""
     path = cache_path(target, draft, folder, draft_int8)
     if not refresh and path.is_file():
         try:
             curve = CostCurve.from_dict(json.loads(path.read_text()))
-            if curve.version == CALIBRATION_VERSION:
-                curve.from_cache = True
+            problem = curve.problem or curve_problem(curve.lengths, curve.seconds)
+            if curve.version == CALIBRATION_VERSION and problem is None:
+                curve.from_cache, curve.cache_file = True, str(path)
                 return curve
+            if problem is not None:
+                logger.warning("Measuring again: the cached calibration %s is implausible (%s)", path, problem)
         except (OSError, ValueError, TypeError, KeyError) as error:
             logger.warning("Ignoring the cached calibration %s: %s", path, error)
     logger.info("Calibrating %s (%s) on this machine", target.source, target.format)
     curve = measure(target, draft, draft_int8=draft_int8)
-    _cache_json(path, curve.as_dict())
+    if curve.reliable:
+        _cache_json(path, curve.as_dict())
+        curve.cache_file = str(path)
+    else:
+        logger.warning("Using the cost curve of %s for this run only, not cached: %s", target.source, curve.problem)
     return curve
+
+
+def refresh_if_stale(
+    curve: CostCurve | None, plain_step_seconds: float | None, choice: FormatChoice | None = None
+) -> str | None:
+    """When a run's plain steps contradict a cached curve by far (:meth:`CostCurve.contradicted_by`), drop the
+    curve's cache file (and that of the format choice made from such figures), so the next start measures again;
+    the reason, or None when the figures agree (or there is nothing to check)."""
+    if curve is None or not plain_step_seconds or not curve.from_cache:
+        return None
+    reason = curve.contradicted_by(plain_step_seconds)
+    if reason is None:
+        return None
+    for cached in (curve.cache_file, choice.cache_file if choice is not None else None):
+        if cached:
+            Path(cached).unlink(missing_ok=True)
+    logger.warning("The cached cost curve of %s is stale (%s): measured again at the next start", curve.target, reason)
+    return reason
 
 
 def _cache_json(path: Path, data: dict[str, Any]) -> None:
@@ -285,6 +322,12 @@ class FormatChoice:
     format: str
     reason: str
     curves: dict[str, CostCurve] = field(default_factory=dict)
+    cache_file: str | None = None  # where the choice was read from or written to (None: not cached)
+
+    @property
+    def reliable(self) -> bool:
+        """Every candidate's curve was measured on a quiet machine."""
+        return all(curve.reliable for curve in self.curves.values())
 
     def summary(self) -> str:
         lines = [f"format: {self.format} ({self.reason})"]
@@ -359,7 +402,12 @@ def cached_format_choice(source: str, settings: LoadSettings, folder: Path | Non
     try:
         data = json.loads(path.read_text())
         curves = {name: CostCurve.from_dict(curve) for name, curve in data["candidates"].items()}
-        return FormatChoice(str(data["format"]), str(data["reason"]), curves)
+        choice = FormatChoice(str(data["format"]), str(data["reason"]), curves, str(path))
+        problems = [curve_problem(curve.lengths, curve.seconds) for curve in curves.values()]
+        if not choice.reliable or any(problems):
+            logger.warning("Choosing again: the cached format choice %s rests on implausible figures", path)
+            return None
+        return choice
     except (OSError, ValueError, TypeError, KeyError) as error:
         logger.warning("Ignoring the cached format choice %s: %s", path, error)
         return None
@@ -373,9 +421,10 @@ def choose_format(
     load: Callable[..., LoadedModel] = load_model,
 ) -> FormatChoice:
     """The format ``source`` runs in with ``settings``. Anything but ``auto`` on a CPU is taken as asked. ``auto``
-    on a CPU reads the choice cached for this machine, else loads the target in each of :data:`AUTO_FORMATS`,
-    calibrates each and picks with :func:`pick_format` (about 15 s a format, once); the formats not chosen are
-    dropped from the model cache."""
+    on a CPU reads the choice cached for this machine, else loads the target in each of :data:`AUTO_FORMATS` in
+    turn, calibrates it and frees it before the next loads (one copy held at a time), and picks with
+    :func:`pick_format` (about 15 s a format, once); the caller loads the chosen one. A choice resting on an
+    unreliable curve serves this run and is not cached."""
     device = resolve_device(settings.device)
     asked = (settings.dtype or "auto").strip().lower()
     if asked != "auto" or device.type != "cpu" or settings.quantization:
@@ -392,12 +441,16 @@ def choose_format(
             logger.info("Format %s unavailable for %s: %s", fmt, source, error)
             continue
         curves[fmt] = calibrate(target, None, refresh=refresh, folder=folder)
+        del target
+        forget_model(source, candidate)  # one candidate in memory at a time
     if not curves:
         raise ModelLoadError(f"cannot load '{source}' in any of {', '.join(AUTO_FORMATS)}")
     choice = pick_format(curves)
-    for fmt in curves:
-        if fmt != choice.format:
-            forget_model(source, replace(settings, dtype=fmt))
-    _cache_json(_choice_path(source, settings, folder), choice.as_dict())
+    if choice.reliable:
+        path = _choice_path(source, settings, folder)
+        _cache_json(path, choice.as_dict())
+        choice.cache_file = str(path)
+    else:
+        choice.reason += "; measured on a busy machine, so for this run only (not cached)"
     logger.info("%s", choice.summary())
     return choice

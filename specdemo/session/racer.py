@@ -39,7 +39,7 @@ from ..core.errors import InputError, first_line
 from ..core.loop import collect
 from ..core.settings import GenerationSettings, SamplingSettings
 from ..methods import SpecSettings, check_pair
-from .calibration import calibrate, choose_format
+from .calibration import AUTO_FORMATS, FormatChoice, calibrate, choose_format, refresh_if_stale
 from .config import WARMUP_TOKENS, SessionConfig
 from .pipeline import encode_prompt, plain_events, spec_events
 from .race import race
@@ -87,6 +87,7 @@ class Prepared:
     pair: str | None = None  # the preset raced (None: custom models)
     calibration: CostCurve | None = None  # this machine's cost curve for the target (and draft)
     format_reason: str | None = None  # why the target runs in its format, when --dtype auto chose it
+    format_choice: FormatChoice | None = None  # the choice itself (its measured candidates), when auto chose
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -235,9 +236,11 @@ class Racer:
         started = time.perf_counter()
         target_settings = LoadSettings(dtype=dtype, device=config.device, quantization=checked.quantization,
                                        **self._source_limits(target_source, checked))
-        format_reason = None
+        format_reason = choice = None
         if dtype == "auto" and config.calibrate:
-            report(0.0, "Choosing the target's format: each candidate measured once on this machine")
+            self._free_for_new_target(target_source, target_settings)  # before any candidate loads
+            report(0.0, f"Choosing the target's format: {', '.join(AUTO_FORMATS)} loaded and measured in turn on "
+                   "this machine (about 15 s each, once per machine)")
             try:
                 choice = choose_format(target_source, target_settings, load=config.loader)
             except (ModelLoadError, OfflinePackError) as error:
@@ -266,6 +269,7 @@ class Racer:
             request, target, draft, target_source, draft_source, prompt_ids, settings, spec,
             _warnings(checked, target, draft), load_seconds, pair=preset.key if as_preset else None,
             format_reason=format_reason,
+            format_choice=choice,
         )
         try:
             prepared.warmup_seconds = self._warm_up(prepared, report)
@@ -281,13 +285,45 @@ class Racer:
         return prepared
 
     def preload(self, key: str | None = None) -> None:
-        """Load a preset's pair now (the default pair unless ``key``), in the configured format, as a race would
-        (ZeroGPU Spaces want models loaded before serving); InputError when it cannot."""
+        """Load a preset's pair now (the default pair unless ``key``) as a race would, before serving (ZeroGPU
+        Spaces want models loaded first): with ``auto`` on a CPU the format is chosen here (each candidate measured
+        once), and the pair's cost curve is measured, so the first visitor does not wait for either. InputError
+        when it cannot."""
         preset = self.config.presets[key or self.config.default_pair()]
-        settings = LoadSettings(dtype=self.config.dtype, device=self.config.device)
-        self._switch_pair(preset.target, settings, preset.draft, settings)
-        self._load(preset.target, settings, _no_progress, "target")
-        self._load(preset.draft, settings, _no_progress, "draft")
+        config = self.config
+        target_settings = LoadSettings(dtype=config.dtype, device=config.device)
+        dtype = config.dtype
+        if config.dtype == "auto" and config.calibrate:
+            logger.info("Preloading: choosing the target's format (%s measured in turn, about 15 s each)",
+                        ", ".join(AUTO_FORMATS))
+            try:
+                dtype = choose_format(preset.target, target_settings, load=config.loader).format
+            except (ModelLoadError, OfflinePackError) as error:
+                raise InputError(first_line(error)) from None
+            target_settings = replace(target_settings, dtype=dtype)
+        draft_settings = LoadSettings(dtype=draft_dtype(dtype), device=config.device)
+        self._switch_pair(preset.target, target_settings, preset.draft, draft_settings)
+        target = self._load(preset.target, target_settings, _no_progress, "target")
+        draft = self._load(preset.draft, draft_settings, _no_progress, "draft") if preset.draft else None
+        if config.calibrate:
+            try:
+                calibrate_pair(target, draft, SpecSettings(mode="draft" if draft is not None else "ngram"))
+            except (RuntimeError, ValueError) as error:
+                logger.warning("Preloading: the calibration failed: %s", first_line(error))
+
+    def _free_for_new_target(self, target_source: str, target_settings: LoadSettings) -> None:
+        """A new target: free the old pair before anything of the new one loads, so a switch never holds both."""
+        if self._pair is None or self.config.forget_models is None:
+            return
+        try:
+            name = cache_key(target_source, target_settings)[0]
+        except ModelLoadError as error:
+            raise InputError(first_line(error)) from None
+        if name not in {key[0] for key in self._pair}:
+            logger.info("Switching target to %s: freeing the previous pair first", name)
+            self._warm.clear()
+            self.config.forget_models(frozenset())
+            self._pair = None
 
     def _switch_pair(
         self, target_source: str, target_settings: LoadSettings, draft_source: str | None, draft_settings: LoadSettings
@@ -377,6 +413,9 @@ class Racer:
             prepared.target, prepared.prompt_ids, plain_ids, spec_ids, state.greedy
         )
         state.done = True
+        plain = state.plain.counters
+        if plain.rounds:  # today's plain steps against the cached curve: a stale one is measured again next time
+            refresh_if_stale(prepared.calibration, plain.verify_seconds / plain.rounds, prepared.format_choice)
 
 
 def _warnings(checked: Checked, target: LoadedModel, draft: LoadedModel | None) -> list[str]:
