@@ -20,3 +20,23 @@ def own_cache(tmp_path_factory, monkeypatch):
     """Calibrations of tiny models go to a folder of the test's, not the user's cache (``SPECDEMO_CACHE``); for
     modules that run the bench or recorder CLIs, whose tests calibrate."""
     monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
+def need_browser(chromium: str, allow_module_level: bool = False):
+    """Playwright's sync API when Playwright and Chromium are here; otherwise skip, or fail where a browser is
+    required (``SPECDEMO_REQUIRE_BROWSER=1``, as ``.ci/run`` sets it)."""
+    import importlib
+    import os
+
+    reason = None
+    try:
+        sync_api = importlib.import_module("playwright.sync_api")
+    except ImportError:
+        sync_api, reason = None, "Playwright for Python is not installed: pip install playwright"
+    if reason is None and not (os.path.isfile(chromium) and os.access(chromium, os.X_OK)):
+        reason = f"no Chromium at {chromium}: apt-get install -y chromium"
+    if reason is not None:
+        if os.environ.get("SPECDEMO_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"a browser test cannot run: {reason}", pytrace=False)
+        pytest.skip(reason, allow_module_level=allow_module_level)
+    return sync_api

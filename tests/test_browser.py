@@ -20,11 +20,9 @@ ARGS = [
     "--no-first-run",
 ]
 
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="Playwright for Python is not installed: pip install playwright"
-)
-if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
-    pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install -y chromium", allow_module_level=True)
+from conftest import need_browser  # noqa: E402
+
+sync_api = need_browser(CHROMIUM, allow_module_level=True)
 
 import tiny_app  # noqa: E402
 

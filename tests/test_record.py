@@ -220,16 +220,12 @@ HOSTILE = [  # what a browser could send to the app's recorder, or a file could 
 
 
 @pytest.mark.parametrize("change, message", HOSTILE, ids=[m for _, m in HOSTILE])
-def test_hostile_logs_are_refused_in_one_line_and_quickly(log: RaceLog, change, message) -> None:
-    import time
-
+def test_hostile_logs_are_refused_in_one_line(log: RaceLog, change, message) -> None:
     data = copy.deepcopy(log.to_json())
     change(data)
-    started = time.perf_counter()
     with pytest.raises(RaceLogError) as caught:
         RaceLog.from_json(json.loads(json.dumps(data)), source="the log")
     assert message in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
-    assert time.perf_counter() - started < 5.0  # a second on an idle machine; generous for a shared one
 
 
 def test_an_oversized_file_is_refused_before_it_is_read(tmp_path: Path, monkeypatch) -> None:
@@ -293,9 +289,9 @@ def test_replay_page_is_self_contained_and_escapes_its_data(log: RaceLog) -> Non
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed")
-    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
-        pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install -y chromium")
+    from conftest import need_browser
+
+    sync_api = need_browser(CHROMIUM)
     from test_browser import ARGS
 
     with sync_api.sync_playwright() as playwright:
@@ -416,11 +412,14 @@ def test_gif_keeps_every_kind_colour(log: RaceLog, tmp_path: Path) -> None:
         assert gif.size == (640, 360) and gif.n_frames >= 2 and gif.info.get("loop") == 0
         gif.seek(racing // 2)  # frames before the held card are all distinct here: the clocks tick
         shown = np.asarray(gif.convert("RGB"), dtype=int)
-    for background, _ in KIND_COLOURS.values():
+    on_screen = []
+    for kind, (background, _) in KIND_COLOURS.items():
         colour = np.array([int(background[i : i + 2], 16) for i in (1, 3, 5)])
         drawn_there = (drawn == colour).all(axis=2)
         if drawn_there.sum() > 20:  # the kind is on screen: the GIF shows its colour there, near enough
+            on_screen.append(kind)
             assert np.abs(shown[drawn_there] - colour).max(axis=1).mean() < 12, background
+    assert {"plain", "accepted"} <= set(on_screen), on_screen  # a draft race mid-way shows both at least
     assert not list(tmp_path.glob(".*partial*"))
 
 

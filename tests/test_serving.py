@@ -62,11 +62,9 @@ def test_huge_prompt_is_refused_at_once_and_nothing_loads(caplog: pytest.LogCapt
     racer = Racer(tiny_app.config(loader=spy))
     prompt = " ".join(["word"] * 20_000)
     caplog.set_level(logging.INFO, logger="specdemo.races")
-    started = time.perf_counter()
     with pytest.raises(InputError, match=r"too long: 99,999 characters.*2,048 prompt tokens"):
         racer.prepare(RaceRequest(prompt, pair="tiny"))
-    assert time.perf_counter() - started < 1.0
-    assert spy.loaded == []
+    assert spy.loaded == []  # refused before anything loads or tokenizes
     (record,) = race_records(caplog)
     assert record["ended"] == "refused" and "word" not in json.dumps(record)
 
@@ -87,9 +85,7 @@ def test_time_budget_ends_the_race_with_its_figures_so_far(caplog: pytest.LogCap
     racer = Racer(tiny_app.config(race_time_budget=0.4))
     prepared = racer.prepare(RaceRequest(PROMPT, pair="tiny-slow", num_draft_tokens="2", max_new_tokens=480))
     caplog.set_level(logging.INFO, logger="specdemo.races")
-    started = time.perf_counter()
     *_, state = racer.run(prepared)
-    assert time.perf_counter() - started < 3.0  # the whole race would need about 10 s
     assert state.done and state.stop_reason == TIME_BUDGET
     assert 0 < state.plain.counters.new_tokens < 480 and 0 < state.spec.counters.new_tokens < 480
     assert state.identical is True and state.comparison is not None and state.comparison.speedup > 0
@@ -221,21 +217,23 @@ def start_slow_race(client, spied: list):
     return job
 
 
-def test_a_cancelled_api_race_frees_the_queue(served) -> None:
+def test_a_cancelled_api_race_frees_the_queue(served, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="specdemo.races")
     url, spied = served
     client = gradio_client.Client(url, verbose=False)
     job = start_slow_race(client, spied)
     time.sleep(0.3)
     job.cancel()
-    assert wait_for(lambda: closed(spied[:2]), 5.0), "the cancelled race is still running"
-    started = time.monotonic()
+    assert wait_for(lambda: closed(spied[:2]), 60), "the cancelled race is still running"
+    # stopped by the cancel, not run to its end (480 tokens on the slow target would take about 10 s more)
+    assert [r["ended"] for r in race_records(caplog)] == ["cancelled"]
     assert client.predict(prompt=PROMPT, pair="tiny", max_new_tokens=8, api_name="/race")["spec"]["identical"] is True
-    assert time.monotonic() - started < 10
 
 
-def test_a_disconnected_api_client_frees_the_worker(served) -> None:
+def test_a_disconnected_api_client_frees_the_worker(served, caplog) -> None:
     import httpx
 
+    caplog.set_level(logging.INFO, logger="specdemo.races")
     url, spied = served
     spied.clear()
     with httpx.Client(base_url=url, timeout=30) as http:
@@ -247,8 +245,9 @@ def test_a_disconnected_api_client_frees_the_worker(served) -> None:
             for line in stream.iter_lines():
                 if line.startswith("data:") and "running" in line:
                     break  # the race is under way: now hang up
-    assert wait_for(lambda: len(spied) >= 2, 10)
-    assert wait_for(lambda: closed(spied[:2]), 3.0), "the race of a client that hung up is still running"
+    assert wait_for(lambda: len(spied) >= 2, 60)
+    assert wait_for(lambda: closed(spied[:2]), 60), "the race of a client that hung up is still running"
+    assert [r["ended"] for r in race_records(caplog)] == ["cancelled"]  # stopped, not run to its end
     client = gradio_client.Client(url, verbose=False)
     assert client.predict(prompt=PROMPT, pair="tiny", max_new_tokens=8, api_name="/race")["spec"]["identical"] is True
 
@@ -263,11 +262,9 @@ def test_bad_input_is_refused_at_once_while_a_race_holds_the_worker(served) -> N
             ({"prompt": PROMPT, "mode": "nope"}, "mode: unknown mode 'nope'"),
             ({"prompt": PROMPT, "max_new_tokens": 10**7}, "max_new_tokens: max new tokens must be"),
         ]:
-            started = time.monotonic()
             with pytest.raises(Exception, match=message):
                 client.predict(api_name="/race", **kwargs)
-            assert time.monotonic() - started < 3.0  # not queued behind the running race (about 10 s)
-        assert not job.done()
+        assert not job.done()  # refused while the race still held the worker: not queued behind it
     finally:
         job.cancel()
     assert wait_for(lambda: closed(spied[:2]), 5.0)

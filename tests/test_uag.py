@@ -265,9 +265,12 @@ def test_draft_stream_follows_target_text(text: str):
     draft = llama(35, layers=1, vocab=len(sentencepiece))
     drafter = UniversalDrafter(draft, sentencepiece, byte_level, SamplingSettings())
     ids = byte_level(text, add_special_tokens=False)["input_ids"]
+    synced = []
     for end in range(1, len(ids) + 1):
-        if drafter._sync_text(ids[:end]):
+        if drafter._sync_text(ids[:end]):  # a prefix that ends inside a character does not sync
+            synced.append(end)
             assert sentencepiece.decode(drafter.stream) == byte_level.decode(ids[:end])
+    assert synced and synced[-1] == len(ids)  # the whole text syncs, so the check above ran
 
 
 @pytest.mark.parametrize("k", [1, 3])
