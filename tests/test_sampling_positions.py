@@ -26,6 +26,8 @@ from specdemo.core.loop import collect, speculative_decode
 from specdemo.core.settings import GenerationSettings, SamplingSettings
 from specdemo.methods.draft_length import FixedDraftLength
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: threads only spin against each other
+
 ALPHA = 1e-3
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
@@ -172,16 +174,17 @@ def sampled_runs(kind: str, trials: int, target=None, drafters=None):
     return target, outputs, proposals
 
 
-def target_rows(target, outputs: list[list[int]]) -> torch.Tensor:
+def target_rows(target, outputs: list[list[int]], prompt: list[int] = PROMPT,
+                sampling: dict = SAMPLING) -> torch.Tensor:
     """[runs, 6, V]: the target's distribution at each output position given the prompt and the run's tokens."""
     with torch.inference_mode():
-        ids = torch.tensor([PROMPT + out for out in outputs])
-        logits = target(input_ids=ids).logits[:, len(PROMPT) - 1 : len(PROMPT) - 1 + NEW_TOKENS]
-        return target_distribution(logits.float(), SamplingSettings(**SAMPLING))
+        ids = torch.tensor([prompt + out for out in outputs])
+        logits = target(input_ids=ids).logits[:, len(prompt) - 1 : len(prompt) - 1 + NEW_TOKENS]
+        return target_distribution(logits.float(), SamplingSettings(**sampling))
 
 
-def position_p_values(target, outputs) -> list[float]:
-    rows = target_rows(target, outputs)
+def position_p_values(target, outputs, prompt: list[int] = PROMPT, sampling: dict = SAMPLING) -> list[float]:
+    rows = target_rows(target, outputs, prompt, sampling)
     return [conditional_chi_square_p([out[j] for out in outputs], list(rows[:, j]))
             for j in range(NEW_TOKENS)]
 
@@ -207,3 +210,32 @@ def test_sampled_output_follows_the_target_at_every_position(kind):
     if kind != "ngram":  # n-gram drafts are point masses, reported as None
         for position, p in enumerate(draft_p_values(proposals), start=1):
             assert p > ALPHA, f"{kind}: draft position {position}: p = {p:.2g}"
+
+
+def test_sampled_uag_output_follows_the_target_at_every_position():
+    """Drafting through text with another tokenizer (uag), sampling on the shared vocabulary: 4-token drafts, every
+    output position against the target alone, and the shared tokens against the rows the drafter reported."""
+    from test_uag import _models, tokenizers_pair
+
+    from specdemo.methods.uag import UniversalDrafter
+
+    byte_level, sentencepiece = tokenizers_pair()
+    target, draft = _models(byte_level, sentencepiece)
+    prompt = byte_level("def add(a, b):")["input_ids"]
+    sampling = dict(temperature=1.0, top_k=3, top_p=1.0)  # a random tiny model is nearly flat: a narrow support
+    outputs, proposals = [], []
+    trials = 900
+    for seed in range(trials):
+        settings = GenerationSettings(NEW_TOKENS, SamplingSettings(**sampling, seed=seed), collect_probs=False)
+        drafter = Recording(UniversalDrafter(draft, sentencepiece, byte_level, settings.sampling, [],
+                                             torch.Generator().manual_seed(10_000 + seed),
+                                             target_vocab_size=len(byte_level), intersection=True, int8=False))
+        final = collect(speculative_decode(CachedLM(target), drafter, FixedDraftLength(NUM_DRAFT), prompt, settings))
+        outputs.append(final.new_token_ids)
+        proposals.append(drafter.proposals[0] if drafter.proposals else None)
+    assert all(len(out) == NEW_TOKENS for out in outputs)
+    assert sum(1 for p in proposals if p is not None and len(p.tokens) >= 2) > trials // 3
+    for position, p in enumerate(position_p_values(target, outputs, prompt, sampling), start=1):
+        assert p > ALPHA, f"uag: output position {position}: p = {p:.2g}"
+    for position, p in enumerate(draft_p_values(proposals), start=1):
+        assert p > ALPHA, f"uag: draft position {position}: p = {p:.2g}"
