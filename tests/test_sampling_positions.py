@@ -140,7 +140,7 @@ DRAFTERS = {
     "medusa-chain": _medusa,
     "eagle-chain": _eagle,
 }
-TRIALS = {"draft-model": 1500, "ngram": 1500, "medusa-chain": 1500, "eagle-chain": 1500}
+TRIALS = {"draft-model": 1500, "ngram": 1500, "medusa-chain": 1500, "eagle-chain": 3000}
 
 
 class Recording:
