@@ -65,8 +65,13 @@ FORMAT_VERSION = 1
 #: the weights files a head folder may hold, in the order they are looked for
 WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
 #: the heads shipped for offline targets (offline-pack name -> folder, sha256 of its weights file), checked on load;
-#: none yet (``python -m specdemo.training.eagle`` is to train the first)
-SHIPPED_HEADS: dict[str, tuple[Path, str]] = {}
+#: trained here by ``python -m specdemo.training.eagle`` (provenance in the folder's training.json)
+SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
+    "qwen2.5-coder-1.5b": (
+        Path(__file__).resolve().parents[1] / "data" / "eagle" / "qwen2.5-coder-1.5b",
+        "a5e0cf5a5b5effa712df62ba374e37ca4f3362bda3edc1cc3e6667d369b75c84",
+    ),
+}
 #: a tree's candidates per node: each expanded node's top tokens, and the nodes expanded at each depth
 TOP_K = 4
 #: the deepest a tree grows (draft steps after the first)
