@@ -395,10 +395,7 @@ def trim_hub_cache(keep: str | None = None, budget_bytes: int | None = None) -> 
     from huggingface_hub import scan_cache_dir
 
     if budget_bytes is None:
-        try:
-            budget_bytes = int(float(os.environ.get("SPECDEMO_HUB_CACHE_GB") or DEFAULT_HUB_CACHE_GB) * 1e9)
-        except ValueError:
-            budget_bytes = int(DEFAULT_HUB_CACHE_GB * 1e9)
+        budget_bytes = offline.env_bytes("SPECDEMO_HUB_CACHE_GB", DEFAULT_HUB_CACHE_GB)
     try:
         cache = scan_cache_dir()
     except (OSError, ValueError) as err:  # no cache yet, or one that cannot be read

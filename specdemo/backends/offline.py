@@ -456,6 +456,14 @@ def converted_from_gguf(
     return converted
 
 
+def env_bytes(name: str, default_gb: float) -> int:
+    """A size budget in bytes from the environment variable ``name`` (in GB), else ``default_gb``."""
+    try:
+        return int(float(os.environ.get(name) or default_gb) * 1e9)
+    except ValueError:
+        return int(default_gb * 1e9)
+
+
 def _folder_bytes(folder: Path) -> int:
     return sum(item.stat().st_size for item in folder.rglob("*") if item.is_file())
 
@@ -464,10 +472,7 @@ def trim_conversions(keep: Path | None = None, budget_bytes: int | None = None) 
     """Delete the least recently used conversions of local .gguf files (never the offline pack's, never ``keep``)
     until they fit ``budget_bytes`` (default ``SPECDEMO_CONVERSION_CACHE_GB``, 40 GB); returns those deleted."""
     if budget_bytes is None:
-        try:
-            budget_bytes = int(float(os.environ.get("SPECDEMO_CONVERSION_CACHE_GB") or 40) * 1e9)
-        except ValueError:
-            budget_bytes = int(40e9)
+        budget_bytes = env_bytes("SPECDEMO_CONVERSION_CACHE_GB", 40)
     folders = [f for f in (cache_home() / "models").glob(f"{GGUF_PREFIX}*") if (f / MARKER_NAME).is_file()]
     sizes = {folder: _folder_bytes(folder) for folder in folders}
     total = sum(sizes.values())
