@@ -140,9 +140,10 @@ def test_a_log_rebuilds_every_live_figure_of_every_mode(mode, heads) -> None:
     assert rebuilt.comparison == live.comparison
     assert rebuilt.runs() == live.runs()
     if mode in ("medusa", "eagle"):  # trees: the per-position counts go by depth, not by node count
-        depths = [r.depth for r in live.spec.rounds if r.drafted]
-        assert depths and all(d is not None and d <= r.drafted for d, r in zip(
-            depths, [r for r in live.spec.rounds if r.drafted]))
+        drafted = [r for r in live.spec.rounds if r.drafted]
+        depths = [r.drafted if r.depth is None else r.depth for r in drafted]  # None: this round's tree was a chain
+        assert drafted and all(1 <= d <= r.drafted for d, r in zip(depths, drafted))
+        assert sum(live.spec.counters.drafted_at) == sum(depths)  # the counts went by depth, round by round
 
 
 def test_a_race_stopped_by_the_time_budget_is_logged_as_such() -> None:
