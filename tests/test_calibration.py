@@ -472,6 +472,17 @@ def test_a_pair_switch_frees_the_old_pair_before_the_new_target_loads(monkeypatc
     racer.prepare(RaceRequest("hello world", "tiny", mode="ngram", max_new_tokens=4, dtype="auto"))
     events.clear()
     racer.prepare(RaceRequest("hello world", "tiny-slow", mode="ngram", max_new_tokens=4, dtype="auto"))
-    assert events[0] == ("free all but", ())  # the old pair goes first
+    assert events[0] == ("free all but", ("tiny:draft",))  # the old target goes first; the shared draft stays
     candidates = [e for e in events if e[1] == "tiny:slow"][: 2 * len(calibration.AUTO_FORMATS)]
     assert candidates == [(kind, "tiny:slow") for _ in calibration.AUTO_FORMATS for kind in ("load", "forget")]
+    # the old draft becomes the target: the whole old pair is freed before the candidates load (the draft's copy
+    # in its own format too)
+    events.clear()
+    racer.prepare(RaceRequest("hello world", target="tiny:draft", draft="tiny:other", mode="uag", max_new_tokens=4,
+                              dtype="auto"))
+    assert events[:2] == [("free all but", ()), ("load", "tiny:draft")]
+    # a target whose format choice is cached loads no candidates, so nothing is freed early (and not reloaded)
+    events.clear()
+    prepared = racer.prepare(RaceRequest("hello world", "tiny-slow", mode="ngram", max_new_tokens=4, dtype="auto"))
+    assert ("forget", "tiny:slow") not in events and events.count(("load", "tiny:slow")) == 1
+    assert prepared.format_choice is not None and prepared.format_choice.cache_file  # the cached choice, used

@@ -413,6 +413,17 @@ def cached_format_choice(source: str, settings: LoadSettings, folder: Path | Non
         return None
 
 
+def _auto_on_cpu(settings: LoadSettings) -> bool:
+    asked = (settings.dtype or "auto").strip().lower()
+    return asked == "auto" and resolve_device(settings.device).type == "cpu" and not settings.quantization
+
+
+def measures_formats(source: str, settings: LoadSettings, folder: Path | None = None) -> bool:
+    """Whether :func:`choose_format` will load and measure the candidates (``auto`` on a CPU with no choice
+    cached), so that a caller can free memory first."""
+    return _auto_on_cpu(settings) and cached_format_choice(source, settings, folder) is None
+
+
 def choose_format(
     source: str,
     settings: LoadSettings,
@@ -425,9 +436,9 @@ def choose_format(
     turn, calibrates it and frees it before the next loads (one copy held at a time), and picks with
     :func:`pick_format` (about 15 s a format, once); the caller loads the chosen one. A choice resting on an
     unreliable curve serves this run and is not cached."""
-    device = resolve_device(settings.device)
-    asked = (settings.dtype or "auto").strip().lower()
-    if asked != "auto" or device.type != "cpu" or settings.quantization:
+    if not _auto_on_cpu(settings):
+        device = resolve_device(settings.device)
+        asked = (settings.dtype or "auto").strip().lower()
         fmt = resolve_format(settings.dtype, device)
         return FormatChoice(fmt, "as asked" if asked != "auto" else f"auto on {device.type}")
     if not refresh and (cached := cached_format_choice(source, settings, folder)) is not None:

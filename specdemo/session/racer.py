@@ -39,7 +39,7 @@ from ..core.errors import InputError, first_line
 from ..core.loop import collect
 from ..core.settings import GenerationSettings, SamplingSettings
 from ..methods import SpecSettings, check_pair
-from .calibration import AUTO_FORMATS, FormatChoice, calibrate, choose_format, refresh_if_stale
+from .calibration import AUTO_FORMATS, FormatChoice, calibrate, choose_format, measures_formats, refresh_if_stale
 from .config import WARMUP_TOKENS, SessionConfig
 from .pipeline import encode_prompt, plain_events, spec_events
 from .race import race
@@ -237,8 +237,11 @@ class Racer:
         target_settings = LoadSettings(dtype=dtype, device=config.device, quantization=checked.quantization,
                                        **self._source_limits(target_source, checked))
         format_reason = choice = None
+        pair_draft = draft_source or (preset and preset.draft)
+        draft_limits = self._source_limits(pair_draft, checked)
         if dtype == "auto" and config.calibrate:
-            self._free_for_new_target(target_source, target_settings)  # before any candidate loads
+            if measures_formats(target_source, target_settings):  # candidates load: free the old pair first
+                self._free_before_candidates(target_source, target_settings, pair_draft, LoadSettings(**draft_limits))
             report(0.0, f"Choosing the target's format: {', '.join(AUTO_FORMATS)} loaded and measured in turn on "
                    "this machine (about 15 s each, once per machine)")
             try:
@@ -247,9 +250,7 @@ class Racer:
                 raise InputError(first_line(error)) from None
             dtype, format_reason = choice.format, choice.reason
             target_settings = replace(target_settings, dtype=dtype)
-        pair_draft = draft_source or (preset and preset.draft)
-        draft_settings = LoadSettings(dtype=draft_dtype(dtype), device=config.device,
-                                      **self._source_limits(pair_draft, checked))
+        draft_settings = LoadSettings(dtype=draft_dtype(dtype), device=config.device, **draft_limits)
         # the pair's draft stays loaded in a draft-free mode, so flipping modes on one pair reloads nothing
         self._switch_pair(target_source, target_settings, pair_draft, draft_settings)
         share = 0.5 if draft_source else 1.0
@@ -311,19 +312,25 @@ class Racer:
             except (RuntimeError, ValueError) as error:
                 logger.warning("Preloading: the calibration failed: %s", first_line(error))
 
-    def _free_for_new_target(self, target_source: str, target_settings: LoadSettings) -> None:
-        """A new target: free the old pair before anything of the new one loads, so a switch never holds both."""
+    def _free_before_candidates(
+        self, target_source: str, target_settings: LoadSettings, draft_source: str | None, draft_settings: LoadSettings
+    ) -> None:
+        """Before the target's format candidates load (one at a time): free every model of the old pair but the
+        new pair's draft, so a switch never holds the old target (or an old draft that is the new target, with
+        its int8 copy) beside a candidate."""
         if self._pair is None or self.config.forget_models is None:
             return
         try:
-            name = cache_key(target_source, target_settings)[0]
+            draft_name = cache_key(draft_source, draft_settings)[0] if draft_source else None
+            target_name = cache_key(target_source, target_settings)[0]
         except ModelLoadError as error:
             raise InputError(first_line(error)) from None
-        if name not in {key[0] for key in self._pair}:
-            logger.info("Switching target to %s: freeing the previous pair first", name)
-            self._warm.clear()
-            self.config.forget_models(frozenset())
-            self._pair = None
+        keep = frozenset(key for key in self._pair if key[0] == draft_name != target_name)
+        logger.info("Freeing %s before the target's formats are measured",
+                    " + ".join(sorted(key[0] for key in self._pair - keep)) or "nothing")
+        self._warm.clear()
+        self.config.forget_models(keep)
+        self._pair = keep or None
 
     def _switch_pair(
         self, target_source: str, target_settings: LoadSettings, draft_source: str | None, draft_settings: LoadSettings
