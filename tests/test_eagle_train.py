@@ -45,6 +45,7 @@ from specdemo.training.eagle import (
     head_fields,
     load_split,
     make_batch,
+    pass_through_init,
     train,
     unrolled_forward,
 )
@@ -121,6 +122,20 @@ def test_the_unrolled_forward_is_what_the_drafter_computes_at_each_draft_step():
                 active_seen += 1
             offset += length
         assert active_seen == outputs[1].shape[0]
+
+
+def test_the_pass_through_init_starts_the_head_as_the_highest_layers_state():
+    head = random_head()
+    pass_through_init(head)
+    states = torch.randn(5, 3 * 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        features = head.features(states)
+        normed = head.input_norm(states) if head.input_norm is not None else states
+        assert torch.allclose(features, normed[:, -64:])
+        outputs = head(features, torch.randn(5, 64), torch.arange(5))
+        layer = head.midlayer
+        assert torch.allclose(outputs, layer.hidden_norm(features) if layer.norm_before_residual else features,
+                              atol=1e-6)
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_greedy_tokens_and_the_eos_ids():

@@ -108,6 +108,9 @@ class TrainSettings(CorpusSettings):
     loss_decay: float = 0.8
     grad_clip: float = 0.5
     warmup_steps: int = 10
+    #: "pass-through": the feature starts as the highest layer's state and the layer's two residual branches at
+    #: zero, so the untrained head already reads the target's LM head input space; "random": PyTorch's init
+    init: str = "random"
     time_budget_minutes: float | None = None
     cache_dir: Path | None = None
     #: stop (checkpointed, as a spent time budget does) after this many optimizer steps in all; for tests
@@ -122,7 +125,7 @@ class TrainSettings(CorpusSettings):
     def train_key(self, draft_ids: torch.Tensor, config: EagleConfig) -> str:
         keyed = [self.corpus_key(), self.answers_key() if self.answers else None, self.epochs, self.steps_unrolled,
                  self.lr, self.batch_tokens, self.train_dtype, self.loss_decay, self.grad_clip, self.warmup_steps,
-                 hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest(), asdict(config)]
+                 *([self.init] if self.init != "random" else []), hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest(), asdict(config)]
         return hashlib.sha256(json.dumps(keyed, default=str).encode()).hexdigest()[:16]
 
 
@@ -479,6 +482,20 @@ def _trainable_state(head: EagleHead) -> dict:
     return {name: tensor for name, tensor in head.state_dict().items() if name != "lm_head.weight"}
 
 
+def pass_through_init(head: EagleHead) -> None:
+    """Start the head as a copy of the target's top: the feature is the highest fused layer's state (the fc's
+    last block the identity, the rest zero) and the decoder layer's attention and MLP add nothing yet (their
+    output projections zero), so the first draft step scores what the target's LM head makes of that state."""
+    size = head.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, -size:] = torch.eye(size)
+        head.midlayer.self_attn.o_proj.weight.zero_()
+        if head.midlayer.self_attn.o_proj.bias is not None:
+            head.midlayer.self_attn.o_proj.bias.zero_()
+        head.midlayer.mlp.down_proj.weight.zero_()
+
+
 def train(settings: TrainSettings) -> dict:
     """The whole run: corpus, cache, draft vocabulary, training, held-out evaluation, head written to
     ``settings.out`` with ``training.json``."""
@@ -561,6 +578,10 @@ def train(settings: TrainSettings) -> dict:
         head.lm_head.weight.copy_(lm_weight[draft_ids].float())
         if norm_weight is not None and norm_weight.shape == head.norm.weight.shape:
             head.norm.weight.copy_(norm_weight.float())
+        if settings.init == "pass-through":
+            pass_through_init(head)
+        elif settings.init != "random":
+            raise ValueError(f"--init {settings.init}: random or pass-through")
     head.lm_head.weight.requires_grad_(False)  # the target's rows: shared, not stored
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=0.0)
@@ -718,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the head's MLP width (0: the widest that keeps the weights under "
                              f"{MAX_HEAD_BYTES / 1e6:.0f} MB)")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (AdamW)")
+    parser.add_argument("--init", default=defaults.init, choices=("random", "pass-through"),
+                        help="pass-through: the head starts as the target's top layer's state read by its LM head")
     parser.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens,
                         help="tokens per optimizer step (whole sequences)")
     parser.add_argument("--train-dtype", default=defaults.train_dtype, choices=("bfloat16", "float32"),
