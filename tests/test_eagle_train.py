@@ -221,6 +221,16 @@ def test_a_run_writes_a_head_the_drafter_loads_and_greedy_output_stays_exact(pai
             assert event.new_token_ids == expected, (prompt, tree)
 
 
+def test_answers_committed_with_the_checkout_are_found_by_their_key(tmp_path, monkeypatch):
+    assert common.CHECKOUT_ANSWERS == Path(__file__).resolve().parents[1] / "assets" / "training"
+    monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")
+    monkeypatch.setattr(common, "CHECKOUT_ANSWERS", tmp_path / "assets")
+    (tmp_path / "assets").mkdir()
+    (tmp_path / "assets" / "answers-abc.jsonl").write_text('{"index": 0}\n')
+    assert common.answers_elsewhere("abc") == [tmp_path / "assets" / "answers-abc.jsonl"]
+    assert common.answers_elsewhere("other") == []
+
+
 def test_a_stopped_run_resumes_to_the_weights_of_an_uninterrupted_one(pair, tmp_path):
     whole = train(tiny_settings(tmp_path, pair, answers=0, out=tmp_path / "whole"))
     planned = whole["steps"]["planned"]

@@ -40,6 +40,9 @@ CACHE_HOME = Path.home() / ".cache" / "specdemo"
 SHARD_SEQUENCES = 16
 #: the answers file inside an answers folder
 ANSWERS_FILE = "answers.jsonl"
+#: answers committed with a checkout (``answers-KEY.jsonl``), so a run on a new machine need not generate them again
+#: (absent from an installed package: then nothing is found there)
+CHECKOUT_ANSWERS = Path(__file__).resolve().parents[2] / "assets" / "training"
 
 
 @dataclass(frozen=True)
@@ -93,8 +96,11 @@ def answers_key(target: str, dtype: str, spec: CorpusSpec) -> str:
 
 
 def answers_elsewhere(key: str) -> list[Path]:
-    """Answers files with this key in any trainer's cache, the fullest first."""
+    """Answers files with this key in any trainer's cache or committed with the checkout, the fullest first."""
     found = [path for path in CACHE_HOME.glob(f"*-train/*/answers-{key}/{ANSWERS_FILE}") if path.is_file()]
+    committed = CHECKOUT_ANSWERS / f"answers-{key}.jsonl"
+    if committed.is_file():
+        found.append(committed)
     return sorted(found, key=lambda path: (-path.stat().st_size, str(path)))
 
 
