@@ -59,7 +59,7 @@ def tiny_settings(tmp_path: Path, target: str, **changes) -> TrainSettings:
     settings = dict(
         target=target, out=tmp_path / "head", dtype="float32", sequences=4, sequence_tokens=160,
         held_out_sequences=2, answers=6, answer_tokens=20, generation_batch=3, held_out_every=3, epochs=2,
-        steps_unrolled=3, draft_vocab_size=64, batch_tokens=300, lr=3e-3, warmup_steps=2,
+        steps_unrolled=3, draft_vocab_size=64, batch_tokens=300, learning_rate=3e-3, warmup_steps=2,
         cache_dir=tmp_path / "cache",
     )
     settings.update(changes)
@@ -274,6 +274,6 @@ def test_the_command_line_lists_one_flag_per_setting(capsys):
     assert stop.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--target", "--out", "--dtype", "--seed", "--sequences", "--held-out-sequences", "--answers",
-                 "--epochs", "--steps-unrolled", "--draft-vocab-size", "--lr", "--batch-tokens",
+                 "--epochs", "--steps-unrolled", "--draft-vocab-size", "--learning-rate", "--batch-tokens",
                  "--time-budget-minutes"):
         assert flag in text

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
@@ -102,6 +103,29 @@ def answers_elsewhere(key: str) -> list[Path]:
     if committed.is_file():
         found.append(committed)
     return sorted(found, key=lambda path: (-path.stat().st_size, str(path)))
+
+
+def add_corpus_arguments(parser: argparse.ArgumentParser, defaults: CorpusSettings) -> None:
+    """The flags both trainers take, one name each: the target and its dtype, the seed, the corpus and answers
+    sizes, the epochs, the peak learning rate and the cache folder (defaults from the trainer's settings)."""
+    parser.add_argument("--target", default=defaults.target)
+    parser.add_argument("--dtype", default=defaults.dtype,
+                        help="the target's dtype while it answers and its states are cached")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--sequences", type=int, default=defaults.sequences,
+                        help="standard-library training sequences")
+    parser.add_argument("--sequence-tokens", type=int, default=defaults.sequence_tokens)
+    parser.add_argument("--held-out-sequences", type=int, default=defaults.held_out_sequences)
+    parser.add_argument("--answers", type=int, default=defaults.answers,
+                        help="training prompts the target answers itself; its answers join the corpus (0 = none)")
+    parser.add_argument("--answer-tokens", type=int, default=defaults.answer_tokens,
+                        help="longest answer the target writes per prompt")
+    parser.add_argument("--generation-batch", type=int, default=defaults.generation_batch,
+                        help="prompts the target answers in one batch")
+    parser.add_argument("--epochs", type=int, default=defaults.epochs)
+    parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate,
+                        help="peak learning rate (AdamW)")
+    parser.add_argument("--cache-dir", type=Path, default=None)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ from .common import (
     ANSWERS_FILE,
     CACHE_HOME,
     CorpusSettings,
+    add_corpus_arguments,
     answer_sequences,
     answers_elsewhere,
     build_sequences,
@@ -102,7 +103,7 @@ class TrainSettings(CorpusSettings):
     steps_unrolled: int = 4
     draft_vocab_size: int = 16384
     intermediate_size: int = 0  # 0: the widest multiple of 128 whose weights file fits MAX_HEAD_BYTES
-    lr: float = 5e-4
+    learning_rate: float = 5e-4
     batch_tokens: int = 1024
     train_dtype: str = "bfloat16"  # the head's matmuls while training (autocast; float32 weights and optimizer)
     loss_decay: float = 0.8
@@ -124,7 +125,7 @@ class TrainSettings(CorpusSettings):
 
     def train_key(self, draft_ids: torch.Tensor, config: EagleConfig) -> str:
         keyed = [self.corpus_key(), self.answers_key() if self.answers else None, self.epochs, self.steps_unrolled,
-                 self.lr, self.batch_tokens, self.train_dtype, self.loss_decay, self.grad_clip, self.warmup_steps,
+                 self.learning_rate, self.batch_tokens, self.train_dtype, self.loss_decay, self.grad_clip, self.warmup_steps,
                  *([self.init] if self.init != "random" else []), hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest(), asdict(config)]
         return hashlib.sha256(json.dumps(keyed, default=str).encode()).hexdigest()[:16]
 
@@ -584,7 +585,7 @@ def train(settings: TrainSettings) -> dict:
             raise ValueError(f"--init {settings.init}: random or pass-through")
     head.lm_head.weight.requires_grad_(False)  # the target's rows: shared, not stored
     trainable = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=0.0)
     plans = [plan_batches(data, epoch_order(len(data), settings.seed, e), settings.batch_tokens)
              for e in range(settings.epochs)]
     total_steps = sum(len(p) for p in plans)
@@ -717,28 +718,14 @@ def train(settings: TrainSettings) -> dict:
 def main(argv: list[str] | None = None) -> int:
     defaults = TrainSettings()
     parser = argparse.ArgumentParser(prog="python -m specdemo.training.eagle", description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default=defaults.target)
     parser.add_argument("--out", type=Path, required=True, help="folder to write the head to")
-    parser.add_argument("--dtype", default=defaults.dtype, help="the target's dtype while its states are cached")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--sequences", type=int, default=defaults.sequences,
-                        help="standard-library training sequences")
-    parser.add_argument("--sequence-tokens", type=int, default=defaults.sequence_tokens)
-    parser.add_argument("--held-out-sequences", type=int, default=defaults.held_out_sequences)
-    parser.add_argument("--answers", type=int, default=defaults.answers,
-                        help="training prompts the target answers itself; its answers join the corpus (0 = none)")
-    parser.add_argument("--answer-tokens", type=int, default=defaults.answer_tokens,
-                        help="longest answer the target writes per prompt")
-    parser.add_argument("--generation-batch", type=int, default=defaults.generation_batch,
-                        help="prompts the target answers in one batch")
-    parser.add_argument("--epochs", type=int, default=defaults.epochs)
+    add_corpus_arguments(parser, defaults)
     parser.add_argument("--steps-unrolled", type=int, default=defaults.steps_unrolled,
                         help="draft steps of the training-time test")
     parser.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size)
     parser.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size,
                         help=f"the head's MLP width (0: the widest that keeps the weights under "
                              f"{MAX_HEAD_BYTES / 1e6:.0f} MB)")
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (AdamW)")
     parser.add_argument("--init", default=defaults.init, choices=("random", "pass-through"),
                         help="pass-through: the head starts as the target's top layer's state read by its LM head")
     parser.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens,
@@ -747,7 +734,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="the head's matmuls while training (bfloat16: autocast, float32 weights and optimizer)")
     parser.add_argument("--time-budget-minutes", type=float, default=None,
                         help="stop training once the run has taken this long (checkpointed: a rerun resumes)")
-    parser.add_argument("--cache-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = TrainSettings(**vars(args))

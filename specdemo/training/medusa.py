@@ -39,6 +39,7 @@ from ..methods.medusa import MedusaConfig, MedusaHeads
 from .common import (
     CACHE_HOME,
     CorpusSettings,
+    add_corpus_arguments,
     answer_sequences,
     build_sequences,
     generate_answers,
@@ -314,25 +315,11 @@ def _train_key(settings: TrainSettings) -> list:
 def main(argv: list[str] | None = None) -> int:
     defaults = TrainSettings()
     parser = argparse.ArgumentParser(prog="python -m specdemo.training.medusa", description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default=defaults.target)
     parser.add_argument("--out", type=Path, required=True, help="folder to write the heads to")
+    add_corpus_arguments(parser, defaults)
     parser.add_argument("--heads", type=int, default=defaults.num_heads, dest="num_heads")
     parser.add_argument("--head-tokens", type=int, default=defaults.head_tokens)
-    parser.add_argument("--sequences", type=int, default=defaults.sequences)
-    parser.add_argument("--sequence-tokens", type=int, default=defaults.sequence_tokens)
-    parser.add_argument("--held-out-sequences", type=int, default=defaults.held_out_sequences)
-    parser.add_argument("--epochs", type=int, default=defaults.epochs)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--dtype", default=defaults.dtype)
-    parser.add_argument("--cache-dir", type=Path, default=None)
-    parser.add_argument("--answers", type=int, default=defaults.answers,
-                        help="training prompts the target answers itself; its answers join the corpus (0 = none)")
-    parser.add_argument("--answer-tokens", type=int, default=defaults.answer_tokens,
-                        help="longest answer the target writes per prompt")
-    parser.add_argument("--generation-batch", type=int, default=defaults.generation_batch,
-                        help="prompts the target answers in one batch")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = TrainSettings(**{k: v for k, v in vars(args).items()})
