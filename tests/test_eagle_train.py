@@ -221,6 +221,16 @@ def test_a_run_writes_a_head_the_drafter_loads_and_greedy_output_stays_exact(pai
             assert event.new_token_ids == expected, (prompt, tree)
 
 
+def test_a_bad_init_or_train_dtype_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    import specdemo.backends.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    with pytest.raises(ValueError, match="--init zeros: random or pass-through"):
+        train(tiny_settings(tmp_path, "unused", init="zeros"))
+    with pytest.raises(ValueError, match="--train-dtype float16: bfloat16 or float32"):
+        train(tiny_settings(tmp_path, "unused", train_dtype="float16"))
+
+
 def test_answers_committed_with_the_checkout_are_found_by_their_key(tmp_path, monkeypatch):
     assert common.CHECKOUT_ANSWERS == Path(__file__).resolve().parents[1] / "assets" / "training"
     monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")

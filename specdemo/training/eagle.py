@@ -84,6 +84,11 @@ CHECKPOINT_SECONDS = 300.0
 WIDTH_STEP = 128
 
 
+#: how the head starts (``--init``) and the dtypes its matmuls may train in (``--train-dtype``)
+INITS = ("random", "pass-through")
+TRAIN_DTYPES = ("bfloat16", "float32")
+
+
 @dataclass
 class TrainSettings(CorpusSettings):
     cache_root = CACHE_ROOT  # where corpus_key() folders live (a class attribute, not a setting)
@@ -124,9 +129,10 @@ class TrainSettings(CorpusSettings):
         return hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:16]
 
     def train_key(self, draft_ids: torch.Tensor, config: EagleConfig) -> str:
+        init = [self.init] if self.init != "random" else []  # absent for random: earlier checkpoints still resume
         keyed = [self.corpus_key(), self.answers_key() if self.answers else None, self.epochs, self.steps_unrolled,
-                 self.learning_rate, self.batch_tokens, self.train_dtype, self.loss_decay, self.grad_clip, self.warmup_steps,
-                 *([self.init] if self.init != "random" else []), hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest(), asdict(config)]
+                 self.learning_rate, self.batch_tokens, self.train_dtype, self.loss_decay, self.grad_clip,
+                 self.warmup_steps, *init, hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest(), asdict(config)]
         return hashlib.sha256(json.dumps(keyed, default=str).encode()).hexdigest()[:16]
 
 
@@ -502,6 +508,10 @@ def train(settings: TrainSettings) -> dict:
     ``settings.out`` with ``training.json``."""
     from ..backends.loading import LoadSettings, clear_model_cache, load_model
 
+    if settings.train_dtype not in TRAIN_DTYPES:  # checked before the target loads and the cache runs
+        raise ValueError(f"--train-dtype {settings.train_dtype}: {' or '.join(TRAIN_DTYPES)}")
+    if settings.init not in INITS:
+        raise ValueError(f"--init {settings.init}: {' or '.join(INITS)}")
     started = time.perf_counter()
     deadline = started + 60 * settings.time_budget_minutes if settings.time_budget_minutes else None
     spec = settings.corpus_spec()
@@ -581,8 +591,6 @@ def train(settings: TrainSettings) -> dict:
             head.norm.weight.copy_(norm_weight.float())
         if settings.init == "pass-through":
             pass_through_init(head)
-        elif settings.init != "random":
-            raise ValueError(f"--init {settings.init}: random or pass-through")
     head.lm_head.weight.requires_grad_(False)  # the target's rows: shared, not stored
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=0.0)
@@ -624,8 +632,6 @@ def train(settings: TrainSettings) -> dict:
             "train_seconds": trained_before + time.perf_counter() - train_started,
         })
 
-    if settings.train_dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"--train-dtype {settings.train_dtype}: bfloat16 or float32")
     autocast = settings.train_dtype == "bfloat16"
     head.train()
     with tqdm(total=total_steps, initial=step, desc="training the EAGLE head", unit="step") as bar:
@@ -726,11 +732,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size,
                         help=f"the head's MLP width (0: the widest that keeps the weights under "
                              f"{MAX_HEAD_BYTES / 1e6:.0f} MB)")
-    parser.add_argument("--init", default=defaults.init, choices=("random", "pass-through"),
+    parser.add_argument("--init", default=defaults.init, choices=INITS,
                         help="pass-through: the head starts as the target's top layer's state read by its LM head")
     parser.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens,
                         help="tokens per optimizer step (whole sequences)")
-    parser.add_argument("--train-dtype", default=defaults.train_dtype, choices=("bfloat16", "float32"),
+    parser.add_argument("--train-dtype", default=defaults.train_dtype, choices=TRAIN_DTYPES,
                         help="the head's matmuls while training (bfloat16: autocast, float32 weights and optimizer)")
     parser.add_argument("--time-budget-minutes", type=float, default=None,
                         help="stop training once the run has taken this long (checkpointed: a rerun resumes)")
