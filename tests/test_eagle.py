@@ -13,7 +13,7 @@ from test_medusa import random_heads
 from test_sampling import ALPHA, _chi_square_p
 from tiny import VOCAB, llama, qwen2, save_tiny_eagle_head, save_tiny_pair
 
-from specdemo.backends.formats import INT8, W8A8, to_int8_format
+from specdemo.backends.formats import INT8, W8A8, activation_dtype, to_int8_format
 from specdemo.backends.loading import LoadedModel, LoadSettings
 from specdemo.backends.transformers_lm import CachedLM
 from specdemo.core.acceptance import target_distribution
@@ -281,12 +281,13 @@ def test_every_length_limit_and_eos_inside_an_accepted_path(trained, tree):
     assert cut_inside >= 2
 
 
-@pytest.mark.parametrize("fmt", [INT8, W8A8])
+@pytest.mark.parametrize(("fmt", "head_dtype"), [(INT8, torch.bfloat16), (W8A8, torch.float32),
+                                                (W8A8, torch.bfloat16)])
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_eagle_in_the_int8_formats_equals_plain_decoding_in_that_format(trained, tree, fmt):
+def test_eagle_in_the_int8_formats_equals_plain_decoding_in_that_format(trained, tree, fmt, head_dtype):
     _, fitted = trained["llama"]
     target = to_int8_format(llama(1), fmt)
-    head = copy.deepcopy(fitted).to(torch.bfloat16 if fmt == INT8 else torch.float32)  # the target's dtype
+    head = copy.deepcopy(fitted).to(head_dtype)  # the target's dtype, or bfloat16 beside w8a8 (the faster here)
     settings = GenerationSettings(max_new_tokens=24)
     accepted = 0
     for prompt in PROMPTS:
@@ -297,6 +298,27 @@ def test_eagle_in_the_int8_formats_equals_plain_decoding_in_that_format(trained,
             assert final.new_token_ids == expected, (prompt, budget)
             accepted += final.counters.accepted
     assert accepted > 50
+
+
+def test_beside_a_w8a8_target_the_head_runs_in_the_dtype_that_steps_faster(trained, tmp_path, monkeypatch, caplog):
+    _, fitted = trained["llama"]
+    before = {name: tensor.clone() for name, tensor in fitted.state_dict().items()}
+    with caplog.at_level("INFO", logger="specdemo.methods.eagle"):
+        chosen = eagle.fastest_head_dtype(fitted, eagle.W8A8_HEAD_DTYPES, context=16, repeats=1)
+    assert chosen in eagle.W8A8_HEAD_DTYPES and "running it in" in caplog.text
+    assert all(torch.equal(tensor, before[name]) for name, tensor in fitted.state_dict().items())  # untouched
+    folder = tmp_path / "head"
+    save_head(fitted, folder, torch.float32)
+    for fmt, measured in ((W8A8, True), (INT8, False)):
+        model = to_int8_format(llama(1), fmt)
+        target = LoadedModel("tiny", model, None, CPU, activation_dtype(fmt), LoadSettings(dtype=fmt))
+        monkeypatch.setattr(eagle, "fastest_head_dtype", lambda head, dtypes, **_: dtypes[-1])
+        head = head_for(target, str(folder))
+        assert head.fc.weight.dtype == (torch.bfloat16 if measured else target.dtype)
+        settings = GenerationSettings(max_new_tokens=16)
+        final = collect(speculative_decode(CachedLM(model), drafter(model, head, True), FixedDraftLength(4),
+                                           PROMPTS[0], settings))
+        assert final.new_token_ids == plain_ids(model, PROMPTS[0], settings)
 
 
 def test_sampled_runs_refuse_a_tree():

@@ -25,6 +25,7 @@ safetensors or ``torch.load(weights_only=True)``, never with remote code.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ..backends.formats import output_rows, output_weight
+from ..backends.formats import W8A8, int8_format_of, output_rows, output_weight
 from ..backends.loading import LoadedModel
 from ..core.acceptance import target_distribution
 from ..core.clock import now
@@ -78,6 +79,10 @@ TOP_K = 4
 MAX_TREE_DEPTH = 8
 #: the most rounds a tree drafter sits out (head not run) after trees that did not pay, before it looks again
 MAX_REST = 32
+#: the dtypes a head may run in beside a w8a8 target (whose activations are float32 but whose LM head is shared as
+#: bfloat16): whichever steps faster on this machine (bfloat16 where the CPU has it natively, see
+#: :func:`fastest_head_dtype`); beside every other target the head runs in the target's own dtype
+W8A8_HEAD_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class EagleLoadError(ValueError):
@@ -689,9 +694,42 @@ def head_for(target: LoadedModel, source: str | None = None) -> EagleHead:
         head = load_head(source, target_facts(target), expected_sha256, lambda: output_weight(target.model))
     except EagleLoadError as error:
         raise InputError(str(error), field="eagle_head") from None
-    head = head.to(device=target.device, dtype=target.dtype)
+    dtype = target.dtype
+    if target.device.type == "cpu" and int8_format_of(target.model) == W8A8:
+        dtype = fastest_head_dtype(head, W8A8_HEAD_DTYPES)
+    head = head.to(device=target.device, dtype=dtype)
     per_model[source] = head
     return head
+
+
+@torch.inference_mode()
+def fastest_head_dtype(head: EagleHead, dtypes: Sequence[torch.dtype], context: int = 256, repeats: int = 5,
+                       ) -> torch.dtype:
+    """Of ``dtypes``, the one in which ``head`` (on the CPU) drafts fastest here: the median seconds of a one-row
+    chain step plus a :data:`TOP_K`-row tree step, after ``context`` cached positions, each with its logits. A
+    head's dtype never changes what the target writes, only what a draft costs; measured because it depends on
+    the CPU (native bfloat16 or not) and on the kernels torch dispatches to, in well under a second."""
+    hidden = head.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(rows, hidden, generator=generator) for rows in (context, 1, TOP_K)]
+    seconds: dict[torch.dtype, float] = {}
+    for dtype in dtypes:
+        trial = head if dtype == head.fc.weight.dtype else copy.deepcopy(head).to(dtype)
+        cache = _KVCache()
+        trial(inputs[0], inputs[0], torch.arange(context), cache)
+        times = []
+        for _ in range(repeats + 1):  # the first a warm-up
+            started = now(torch.device("cpu"))
+            for rows in inputs[1:]:
+                trial.logits(trial(rows, rows, torch.full((rows.shape[0],), context), cache)).float()
+                cache.crop(context)
+            times.append(now(torch.device("cpu")) - started)
+        seconds[dtype] = sorted(times[1:])[repeats // 2]
+        del trial
+    best = min(seconds, key=seconds.__getitem__)
+    logger.info("EAGLE head steps: %s; running it in %s", ", ".join(
+        f"{str(dtype).removeprefix('torch.')} {value * 1000:.1f} ms" for dtype, value in seconds.items()), best)
+    return best
 
 
 # ----------------------------------------------------------------------------------------------------------------
