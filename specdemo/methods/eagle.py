@@ -70,7 +70,7 @@ WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
 SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
     "qwen2.5-coder-1.5b": (
         Path(__file__).resolve().parents[1] / "data" / "eagle" / "qwen2.5-coder-1.5b",
-        "a5e0cf5a5b5effa712df62ba374e37ca4f3362bda3edc1cc3e6667d369b75c84",
+        "70aa79e5033e06cc205eb19472ad27b09bb143107ed2ef586b47b624ca1818e0",
     ),
 }
 #: a tree's candidates per node: each expanded node's top tokens, and the nodes expanded at each depth
