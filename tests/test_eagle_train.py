@@ -239,6 +239,10 @@ def test_answers_committed_with_the_checkout_are_found_by_their_key(tmp_path, mo
     (tmp_path / "assets" / "answers-abc.jsonl").write_text('{"index": 0}\n')
     assert common.answers_elsewhere("abc") == [tmp_path / "assets" / "answers-abc.jsonl"]
     assert common.answers_elsewhere("other") == []
+    monkeypatch.setattr(common, "CHECKOUT_ANSWERS", tmp_path / "checkout" / "assets" / "training")
+    committed = common.CHECKOUT_ANSWERS / "answers-abc.jsonl"
+    assert common.portable_path(committed) == "assets/training/answers-abc.jsonl"  # not this machine's layout
+    assert common.portable_path(Path.home() / ".cache" / "x") == "~/.cache/x"
 
 
 def test_a_stopped_run_resumes_to_the_weights_of_an_uninterrupted_one(pair, tmp_path):

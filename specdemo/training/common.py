@@ -105,6 +105,17 @@ def answers_elsewhere(key: str) -> list[Path]:
     return sorted(found, key=lambda path: (-path.stat().st_size, str(path)))
 
 
+def portable_path(path: Path) -> str:
+    """``path`` as provenance records it: relative to the checkout for committed answers, ``~/...`` inside the
+    home folder, else as given (no machine's absolute layout in a shipped file)."""
+    for root, shown in ((CHECKOUT_ANSWERS.parents[1], ""), (Path.home(), "~/")):
+        try:
+            return shown + path.resolve().relative_to(root.resolve()).as_posix()
+        except ValueError:
+            continue
+    return str(path)
+
+
 def add_corpus_arguments(parser: argparse.ArgumentParser, defaults: CorpusSettings) -> None:
     """The flags both trainers take, one name each: the target and its dtype, the seed, the corpus and answers
     sizes, the epochs, the peak learning rate and the cache folder (defaults from the trainer's settings)."""

@@ -65,6 +65,7 @@ from .common import (
     answers_elsewhere,
     build_sequences,
     generate_answers,
+    portable_path,
     read_shards,
     write_shards,
 )
@@ -538,7 +539,7 @@ def train(settings: TrainSettings) -> dict:
         answers_folder = settings.answers_path()
         own = answers_folder / ANSWERS_FILE
         elsewhere = [path for path in answers_elsewhere(settings.answers_key()) if path != own]
-        reused_answers = str(elsewhere[0]) if elsewhere and not own.is_file() else None
+        reused_answers = portable_path(elsewhere[0]) if elsewhere and not own.is_file() else None
         answers = generate_answers(loaded, spec, own, start_from=elsewhere[0] if elsewhere else None)
         answer_seconds = time.perf_counter() - answer_started
         answer_train, answer_held = answer_sequences(loaded.tokenizer, answers, spec)
