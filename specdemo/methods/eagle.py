@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ..backends.formats import W8A8, int8_format_of, output_rows, output_weight
+from ..backends.formats import W8A8, output_rows, output_weight
 from ..backends.loading import LoadedModel
 from ..core.acceptance import target_distribution
 from ..core.clock import now
@@ -695,7 +695,7 @@ def head_for(target: LoadedModel, source: str | None = None) -> EagleHead:
     except EagleLoadError as error:
         raise InputError(str(error), field="eagle_head") from None
     dtype = target.dtype
-    if target.device.type == "cpu" and int8_format_of(target.model) == W8A8:
+    if target.device.type == "cpu" and target.format == W8A8:
         dtype = fastest_head_dtype(head, W8A8_HEAD_DTYPES)
     head = head.to(device=target.device, dtype=dtype)
     per_model[source] = head
