@@ -280,6 +280,48 @@ def test_held_out_files_and_prompts_never_reach_the_training_set(pair):
     assert not {tuple(s["ids"]) for s in answer_train} & {tuple(s["ids"]) for s in answer_held}
 
 
+def test_chat_prompts_are_count_stable_varied_and_none_is_a_benchmark_prompt():
+    from specdemo.training.corpus import chat_prompts
+
+    prompts = chat_prompts(240, seed=0)
+    assert chat_prompts(60, seed=0) == prompts[:60]  # a larger set extends a smaller one
+    assert len({p.text for p in prompts}) == 240 and chat_prompts(60, seed=1) != prompts[:60]
+    kinds = {p.kind for p in prompts[:12]}
+    assert {"advice", "reasoning", "roleplay", "writing", "stem", "extraction", "humanities"} <= kinds
+    root = Path(__file__).resolve().parents[1]
+    benchmark = {json.loads(line)["prompt"] for line in (root / "specdemo" / "data" / "prompts.jsonl").open()}
+    questions = root.parent / "shared" / "specbench" / "question.jsonl"
+    if questions.is_file():
+        benchmark |= {turn for line in questions.open() for turn in json.loads(line)["turns"]}
+    assert not {p.text for p in chat_prompts(1000, seed=0)} & benchmark
+
+
+def test_chat_answers_join_the_corpus_and_a_larger_set_extends_the_answers_of_a_smaller_one(pair, tmp_path,
+                                                                                           monkeypatch):
+    from specdemo.training.corpus import chat_prompts
+
+    monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")
+    small = train(tiny_settings(tmp_path, pair, answers=0, chat_answers=4, epochs=1, out=tmp_path / "small"))
+    settings = tiny_settings(tmp_path, pair, answers=0, chat_answers=7, epochs=1)
+    answers_file = settings.chat_answers_path() / "answers.jsonl"
+    first_four = answers_file.read_text()
+    assert len(first_four.splitlines()) == 4 and small["chat_answers"]["held_out_sequences"] == 2  # 0 and 3
+    report = train(settings)
+    assert answers_file.read_text().startswith(first_four)  # the four answers kept, three more appended
+    rows = sorted((json.loads(line) for line in answers_file.read_text().splitlines()), key=lambda row: row["index"])
+    assert [row["prompt"] for row in rows] == [p.text for p in chat_prompts(7, seed=0)]
+    assert report["chat_answers"]["training_sequences"] + report["chat_answers"]["held_out_sequences"] <= 7
+    figures = report["held_out"]["chat_answers"]
+    assert len(figures["top1_per_step"]) == 3 and all(0.0 <= a <= 1.0 for a in figures["top1_per_step"])
+    assert report["weights_sha256"] != small["weights_sha256"]
+    # a row whose prompt is not the set's (a stale file) is answered again, not trained on
+    loaded = load_model(pair, LoadSettings(dtype="float32"))
+    stale = tmp_path / "stale.jsonl"
+    stale.write_text(json.dumps({**rows[0], "prompt": "something else"}) + "\n")
+    again = generate_answers(loaded, settings.corpus_spec(), stale, prompts=chat_prompts(1, seed=0))
+    assert again[0]["prompt"] == rows[0]["prompt"] and again[0]["answer_ids"] == rows[0]["answer_ids"]
+
+
 def test_the_command_line_lists_one_flag_per_setting(capsys):
     from specdemo.training.eagle import main
 
@@ -287,7 +329,7 @@ def test_the_command_line_lists_one_flag_per_setting(capsys):
         main(["--help"])
     assert stop.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--target", "--out", "--dtype", "--seed", "--sequences", "--held-out-sequences", "--answers",
+    for flag in ("--target", "--out", "--dtype", "--seed", "--sequences", "--held-out-sequences", "--answers", "--chat-answers",
                  "--epochs", "--steps-unrolled", "--draft-vocab-size", "--learning-rate", "--batch-tokens",
                  "--time-budget-minutes"):
         assert flag in text

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from tqdm import tqdm
 
-from .corpus import training_prompts
+from .corpus import CHAT_PROMPTS_VERSION, TrainingPrompt, training_prompts
 
 if TYPE_CHECKING:
     from ..backends.loading import LoadedModel
@@ -61,11 +61,13 @@ class CorpusSpec:
     answers: int = 0
     answer_tokens: int = 256
     generation_batch: int = 32
+    chat_answers: int = 0  # the target's answers to the first N of :func:`~.corpus.chat_prompts` too
 
     def description(self) -> str:
         return (f"Python {sys.version.split()[0]} standard library sources (tests, idlelib, lib2to3, turtledemo, "
                 "ensurepip excluded), one chat turn per sequence"
-                + (f", and the target's own greedy answers to {self.answers} training prompts" if self.answers else ""))
+                + (f", and the target's own greedy answers to {self.answers} training prompts" if self.answers else "")
+                + (f" and to {self.chat_answers} chat prompts" if self.chat_answers else ""))
 
 
 class CorpusSettings:
@@ -78,7 +80,8 @@ class CorpusSettings:
 
     def corpus_spec(self) -> CorpusSpec:
         return CorpusSpec(self.sequences, self.sequence_tokens, self.held_out_every, self.held_out_sequences,
-                          self.seed, self.answers, self.answer_tokens, self.generation_batch)
+                          self.seed, self.answers, self.answer_tokens, self.generation_batch,
+                          getattr(self, "chat_answers", 0))
 
     def cache_path(self) -> Path:
         return self.cache_dir if self.cache_dir is not None else self.cache_root / self.corpus_key()
@@ -89,11 +92,24 @@ class CorpusSettings:
     def answers_path(self) -> Path:
         return self.cache_path() / f"answers-{self.answers_key()}"
 
+    def chat_answers_key(self) -> str:
+        return chat_answers_key(self.target, self.dtype, self.corpus_spec())
+
+    def chat_answers_path(self) -> Path:
+        return self.cache_path() / f"answers-{self.chat_answers_key()}"
+
 
 def answers_key(target: str, dtype: str, spec: CorpusSpec) -> str:
     """The name of a set of the target's answers: the same for every trainer that asks for the same answers."""
     keyed = [target, dtype, spec.answers, spec.answer_tokens, spec.held_out_every, spec.seed, sys.version.split()[0]]
     return hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:16]
+
+
+def chat_answers_key(target: str, dtype: str, spec: CorpusSpec) -> str:
+    """The name of the target's answers to :func:`~.corpus.chat_prompts`: without the count, since a larger set
+    extends a smaller one (the first N answers of any such file are the answers to the first N prompts)."""
+    keyed = [target, dtype, "chat", CHAT_PROMPTS_VERSION, spec.answer_tokens, spec.seed, sys.version.split()[0]]
+    return "chat-" + hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:16]
 
 
 def answers_elsewhere(key: str) -> list[Path]:
@@ -212,16 +228,21 @@ def _read_answers(path: Path) -> dict[int, dict]:
 
 
 @torch.inference_mode()
-def generate_answers(loaded: LoadedModel, spec: CorpusSpec, path: Path, start_from: Path | None = None) -> list[dict]:
-    """The target's own greedy answers to ``spec.answers`` training prompts, generated in batches (left padding)
-    and appended to ``path`` (JSON lines) batch by batch, so a restart carries on where it stopped.
-    ``start_from``: another answers file with the same key, copied first when ``path`` does not exist yet."""
+def generate_answers(loaded: LoadedModel, spec: CorpusSpec, path: Path, start_from: Path | None = None,
+                     prompts: list[TrainingPrompt] | None = None) -> list[dict]:
+    """The target's own greedy answers to ``prompts`` (by default ``spec.answers`` training prompts), generated in
+    batches (left padding) and appended to ``path`` (JSON lines) batch by batch, so a restart carries on where it
+    stopped. ``start_from``: another answers file with the same key, copied first when ``path`` does not exist
+    yet. Answers the file holds beyond ``prompts`` are kept there and not returned."""
     model, tokenizer = loaded.model, loaded.tokenizer
-    prompts = training_prompts(spec.answers, stdlib_files(), spec.seed)
+    if prompts is None:
+        prompts = training_prompts(spec.answers, stdlib_files(), spec.seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     if start_from is not None and not path.is_file():
         shutil.copyfile(start_from, path)
-    done = _read_answers(path)
+    # only answers to these very prompts count (a stale or foreign row is answered again)
+    done = {index: row for index, row in _read_answers(path).items()
+            if index < len(prompts) and row.get("prompt") == prompts[index].text}
     headers = [chat_header(tokenizer, prompt.text) for prompt in prompts]
     # similar prompt lengths share a batch (less padding); the index keeps the seeded order
     todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: (len(headers[i]), i))

@@ -155,3 +155,157 @@ def training_prompts(count: int, files: list[Path], seed: int) -> list[TrainingP
             seen.add(text)
             prompts.append(TrainingPrompt(kind, text))
     return prompts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# chat prompts: count-stable, so a larger set extends a smaller one
+
+
+#: bumped when :func:`chat_prompts` would write a different prompt for some index
+CHAT_PROMPTS_VERSION = 1
+TOPICS = SUBJECTS + [
+    "the moon landing", "the Industrial Revolution", "gravity", "the human heart", "earthquakes", "bees",
+    "the Silk Road", "democracy", "the scientific method", "probability", "prime numbers", "electricity",
+    "magnetism", "the periodic table", "climate adaptation", "urban gardening", "minimalism", "procrastination",
+    "friendship", "teamwork", "negotiation", "first aid", "nutrition", "running a small business", "podcasts",
+    "social media", "privacy online", "open-source software", "space exploration", "the Olympic Games",
+    "ancient Egypt", "the Cold War", "impressionist painting", "classical music", "photography", "film editing",
+    "poetry", "mythology", "philosophy of mind", "ethics of artificial intelligence", "game theory", "statistics",
+    "linear algebra", "calculus", "thermodynamics", "the speed of light", "rainforests", "deserts", "glaciers",
+]
+#: people a model may be asked to play
+PERSONAS = [
+    "a museum guide", "a ship's captain", "a patient chess coach", "a travel agent", "a detective in 1920s London",
+    "a medieval blacksmith", "a customer support agent", "a science teacher", "a personal trainer", "a chef",
+    "a job interviewer", "a tour guide on Mars", "a librarian", "a startup founder pitching to investors",
+    "a park ranger", "a grumpy but kind grandparent", "a radio host", "a gardener", "a film critic", "an astronaut",
+]
+ROLE_TASKS = [
+    "Introduce yourself and describe a typical day.", "Answer a visitor who asks what you love most about your work.",
+    "Give advice to someone who is just starting out in your line of work.",
+    "Describe the most difficult moment of your career.", "Explain your job to a group of children.",
+    "Respond to a customer who is unhappy with a delay.", "Tell a short story from your work.",
+]
+SITUATIONS = [
+    "starting a new job next week", "moving to a new city where I know nobody", "preparing for a job interview",
+    "trying to sleep better", "learning to cook on a budget", "planning a birthday party for my friend",
+    "struggling to stay motivated while studying", "about to give my first conference talk",
+    "deciding between two job offers", "trying to save money for a trip", "looking after a new puppy",
+    "training for my first 10 km run", "writing my first novel", "managing a team for the first time",
+]
+ADVICE_ASKS = ["What would you suggest?", "What are the first three things I should do?",
+               "What mistakes should I avoid?", "Can you give me a simple plan?", "How should I prepare?",
+               "What questions should I ask myself first?"]
+STYLES = ["formal", "casual", "enthusiastic", "concise", "humorous", "academic", "child-friendly"]
+GENRES = [
+    "a blog post", "a short speech", "a cover letter", "a product review", "a dialogue between two friends",
+    "an essay outline", "a motivational message", "a thank-you note", "a short fairy tale", "a travel guide entry",
+    "a recipe introduction", "a weather report in the style of a sports commentator", "a eulogy for a houseplant",
+]
+PLACES = ["Paris", "Tokyo", "a small coastal town", "the mountains", "Rome", "a national park", "New York",
+          "Lisbon", "Istanbul", "a quiet countryside village", "Kyoto", "Barcelona"]
+COLORS = ["red", "blue", "green", "yellow", "white", "black"]
+FOODS = ["pasta", "soup", "curry", "salad", "pancakes", "rice", "tacos", "dumplings"]
+
+
+def _article(word: str) -> str:
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def _reasoning(rng: random.Random) -> str:
+    """A small logic puzzle, made up from the name lists (its answer follows from the statement)."""
+    kind = rng.randrange(4)
+    if kind == 0:
+        people = rng.sample(NAMES, 4)
+        facts = [f"{people[i]} is taller than {people[i + 1]}" for i in range(3)]
+        rng.shuffle(facts)
+        return (". ".join(facts) + f". Who is the shortest, and is {people[0]} taller than {people[2]}? "
+                "Explain your reasoning.")
+    if kind == 1:
+        people = rng.sample(NAMES, 3)
+        colors = rng.sample(COLORS, 3)
+        return (f"{people[0]}, {people[1]} and {people[2]} each own one car: one {colors[0]}, one {colors[1]} and "
+                f"one {colors[2]}. {people[0]} does not own the {colors[0]} car. {people[1]} owns the {colors[2]} "
+                "car. Who owns which car? Reason step by step.")
+    if kind == 2:
+        start, step = rng.randint(1, 20), rng.randint(2, 9)
+        series = [start + step * i * (i + 1) // 2 for i in range(5)]
+        return f"What number comes next in the sequence {', '.join(map(str, series))}? Explain the pattern."
+    a, b = rng.sample(TOPICS, 2)
+    return (f"All students who study {a} also study {b}. Some students who study {b} play chess. Does it follow "
+            f"that some students who study {a} play chess? Explain carefully.")
+
+
+def _extraction(rng: random.Random) -> str:
+    """A short made-up text and a request to pull structured facts out of it."""
+    people = rng.sample(NAMES, 3)
+    day, month = rng.randint(1, 28), rng.choice(["March", "June", "September", "November"])
+    food, place = rng.choice(FOODS), rng.choice(PLACES)
+    text = (f"On {month} {day}, {people[0]} met {people[1]} in {place} to plan the summer fair. {people[1]} agreed to "
+            f"bring {rng.randint(3, 30)} {rng.choice(ITEMS)}, and {people[2]} will cook {food} for "
+            f"{rng.randint(10, 90)} guests. The budget is {rng.randint(2, 20) * 50} dollars.")
+    ask = rng.choice(["Extract every person, date, place and number from this text as JSON.",
+                      "List who does what in a table with two columns.",
+                      "Answer in one sentence each: who, when, where, and how much money?"])
+    return f"{text}\n\n{ask}"
+
+
+def _stem(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 9), rng.randint(1, 30), rng.randint(31, 99)
+    return rng.choice([
+        f"Solve for x: {a}x + {b} = {c}. Show each step.",
+        f"What is the derivative of {a}x^3 + {b}x^2 - {c}x? Explain the rule you use.",
+        f"A ball is dropped from {c} metres. Ignoring air resistance, how long does it take to reach the ground?",
+        f"Explain how {rng.choice(TOPICS)} works, with one equation if it helps.",
+        f"What is the probability of rolling a total of {rng.randint(2, 12)} with two fair dice? Explain.",
+        f"Convert {c} degrees Fahrenheit to Celsius and explain the formula.",
+        f"How many different ways can {a} people sit in a row? Explain why.",
+    ])
+
+
+def chat_prompt(index: int, seed: int, paragraphs: list[str]) -> TrainingPrompt:
+    """Chat prompt number ``index`` of the set for ``seed``: a function of the two alone (and the language
+    reference's paragraphs), so ``chat_prompts(n)`` is the first n of ``chat_prompts(m)`` for every m > n."""
+    rng = random.Random(f"chat/{CHAT_PROMPTS_VERSION}/{seed}/{index}")
+    makers = {
+        "advice": lambda: f"I'm {rng.choice(SITUATIONS)}. {rng.choice(ADVICE_ASKS)}",
+        "explanation": lambda: rng.choice(QUESTION_TEMPLATES).format(*rng.sample(TOPICS, 2)),
+        "extraction": lambda: _extraction(rng),
+        "humanities": lambda: rng.choice([
+            "What were the main causes and consequences of {}?", "Why is {} still studied today?",
+            "Write a short essay on how {} changed people's lives.", "Give a balanced view of the debate about {}.",
+        ]).format(rng.choice(TOPICS)),
+        "list": lambda: f"List {rng.randint(5, 10)} interesting facts about {rng.choice(TOPICS)}, one line each.",
+        "math reasoning": lambda: _word_problem(rng),
+        "plan": lambda: rng.choice([
+            f"Plan a {rng.randint(2, 5)}-day trip to {rng.choice(PLACES)}.",
+            f"Make a {rng.randint(2, 8)}-week study plan for learning {rng.choice(TOPICS)}.",
+            f"Give me a weekly meal plan built around {rng.choice(FOODS)}.",
+        ]),
+        "reasoning": lambda: _reasoning(rng),
+        "rewrite": lambda: (f"Rewrite this in {_article(rng.choice(STYLES))} tone:\n\n"
+                            + (rng.choice(paragraphs)[:500] if paragraphs else rng.choice(TOPICS))),
+        "roleplay": lambda: f"You are {rng.choice(PERSONAS)}. {rng.choice(ROLE_TASKS)}",
+        "stem": lambda: _stem(rng),
+        "writing": lambda: f"Write {rng.choice(GENRES)} about {rng.choice(THINGS + TOPICS)}.",
+    }
+    kinds = sorted(makers)
+    kind = kinds[index % len(kinds)]
+    return TrainingPrompt(kind, makers[kind]())
+
+
+def chat_prompts(count: int, seed: int) -> list[TrainingPrompt]:
+    """The first ``count`` distinct chat prompts for ``seed`` (advice, explanations, extraction, humanities,
+    lists, arithmetic, plans, reasoning puzzles, rewriting, role play, STEM, writing; one kind after another).
+    Drawn in index order and repeats skipped, so the first n of a larger set are the set of n."""
+    paragraphs = _paragraphs()
+    prompts: list[TrainingPrompt] = []
+    seen: set[str] = set()
+    index = 0
+    while len(prompts) < count and index < 20 * count + 100:
+        prompt = chat_prompt(index, seed, paragraphs)
+        index += 1
+        if prompt.text not in seen:
+            seen.add(prompt.text)
+            prompts.append(prompt)
+    return prompts

@@ -69,6 +69,7 @@ from .common import (
     read_shards,
     write_shards,
 )
+from .corpus import chat_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class TrainSettings(CorpusSettings):
     held_out_every: int = 10
     held_out_sequences: int = 32
     answers: int = 480
+    chat_answers: int = 0
     answer_tokens: int = 256
     generation_batch: int = 32
     epochs: int = 1
@@ -131,9 +133,10 @@ class TrainSettings(CorpusSettings):
 
     def train_key(self, draft_ids: torch.Tensor, config: EagleConfig) -> str:
         init = [self.init] if self.init != "random" else []  # absent for random: earlier checkpoints still resume
-        keyed = [self.corpus_key(), self.answers_key() if self.answers else None, self.epochs, self.steps_unrolled,
-                 self.learning_rate, self.batch_tokens, self.train_dtype, self.loss_decay, self.grad_clip,
-                 self.warmup_steps, *init, hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest(), asdict(config)]
+        chat = [self.chat_answers_key(), self.chat_answers] if self.chat_answers else []  # absent: earlier keys hold
+        keyed = [self.corpus_key(), self.answers_key() if self.answers else None, *chat, self.epochs,
+                 self.steps_unrolled, self.learning_rate, self.batch_tokens, self.train_dtype, self.loss_decay,
+                 self.grad_clip, self.warmup_steps, *init, hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest(), asdict(config)]
         return hashlib.sha256(json.dumps(keyed, default=str).encode()).hexdigest()[:16]
 
 
@@ -533,6 +536,8 @@ def train(settings: TrainSettings) -> dict:
     cache_seconds = time.perf_counter() - cache_started
     answer_seconds = 0.0
     answer_counts: dict = {}
+    # the chat answers' file grows with larger sets; their shards belong to one count
+    chat_shards = settings.chat_answers_path() / f"shards-{settings.chat_answers}"
     reused_answers = None
     if settings.answers:
         answer_started = time.perf_counter()
@@ -551,6 +556,23 @@ def train(settings: TrainSettings) -> dict:
                          "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in answers) / max(1, len(answers)),
                                                      1),
                          "reused_from": reused_answers}
+    chat_counts: dict = {}
+    if settings.chat_answers:
+        answer_started = time.perf_counter()
+        own = settings.chat_answers_path() / ANSWERS_FILE
+        elsewhere = [path for path in answers_elsewhere(settings.chat_answers_key()) if path != own]
+        reused_chat = portable_path(elsewhere[0]) if elsewhere and not own.is_file() else None
+        chat = generate_answers(loaded, spec, own, start_from=elsewhere[0] if elsewhere else None,
+                                prompts=chat_prompts(settings.chat_answers, settings.seed))
+        answer_seconds += time.perf_counter() - answer_started
+        chat_train, chat_held = answer_sequences(loaded.tokenizer, chat, spec)
+        cache_started = time.perf_counter()
+        cache_split(model, chat_train, chat_shards, "train", layers)
+        cache_split(model, chat_held, chat_shards, "heldout", layers)
+        cache_seconds += time.perf_counter() - cache_started
+        chat_counts = {"training_sequences": len(chat_train), "held_out_sequences": len(chat_held),
+                       "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in chat) / max(1, len(chat)), 1),
+                       "kinds": sorted({r["kind"] for r in chat}), "reused_from": reused_chat}
 
     fields = head_fields(model, settings.draft_vocab_size, settings.intermediate_size)
     embed_weight = model.get_input_embeddings().weight.detach()
@@ -573,6 +595,12 @@ def train(settings: TrainSettings) -> dict:
         answer_counts["held_out_positions"] = int(answer_held_split.labels().numel())
         data = Split.join([data, answer_train_split])
         del answer_train_split
+    if settings.chat_answers:
+        chat_train_split, chat_held_split = load_split(chat_shards, "train"), load_split(chat_shards, "heldout")
+        chat_counts["training_positions"] = int(chat_train_split.labels().numel())
+        chat_counts["held_out_positions"] = int(chat_held_split.labels().numel())
+        data = Split.join([data, chat_train_split])
+        del chat_train_split
     labels = data.labels()
     draft_ids = draft_vocabulary(labels, fields["draft_vocab_size"], fields["vocab_size"], eos_ids)
     fields["draft_vocab_size"] = int(draft_ids.numel())
@@ -676,6 +704,9 @@ def train(settings: TrainSettings) -> dict:
     if settings.answers:
         held["answers"] = evaluate(shipped, embed_weight, answer_held_split, settings.steps_unrolled,
                                    settings.batch_tokens)
+    if settings.chat_answers:
+        held["chat_answers"] = evaluate(shipped, embed_weight, chat_held_split, settings.steps_unrolled,
+                                        settings.batch_tokens)
     del shipped
     eval_seconds = time.perf_counter() - eval_started
     digest = save_head(head, settings.out, SHIP_DTYPE)
@@ -699,6 +730,7 @@ def train(settings: TrainSettings) -> dict:
             "held_out_files": len({s["file"] for s in held_seqs}),
         },
         "answers": answer_counts or None,
+        "chat_answers": chat_counts or None,
         "head": {
             "hidden_layers": list(config.hidden_layers),
             "intermediate_size": config.intermediate_size,
@@ -727,6 +759,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdemo.training.eagle", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder to write the head to")
     add_corpus_arguments(parser, defaults)
+    parser.add_argument("--chat-answers", type=int, default=defaults.chat_answers,
+                        help="chat prompts (advice, reasoning, writing, role play ...) the target answers too; a "
+                             "larger set extends a smaller one's answers (0 = none)")
     parser.add_argument("--steps-unrolled", type=int, default=defaults.steps_unrolled,
                         help="draft steps of the training-time test")
     parser.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size)
