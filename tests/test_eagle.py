@@ -259,6 +259,37 @@ def test_the_heads_cache_after_a_run_is_what_a_fresh_pass_over_the_text_gives(tr
     assert torch.allclose(eagle_drafter._root[1], head.logits(outputs[-1:])[0], atol=1e-4)
 
 
+def test_a_tree_stops_growing_when_no_deeper_step_could_pay(trained):
+    """A tree step whose children could not lift the tree's rate (each child worth at most its parent's path
+    probability) is not run: with a dear step the tree is the root's top tokens, drafted with no step; with a free
+    step and a flat verify cost it grows."""
+    model, head = trained["llama"]
+    prompt = PROMPTS[0]
+    context = prompt + plain_ids(model, prompt, GenerationSettings(max_new_tokens=1))
+    with torch.inference_mode():
+        prefill = CachedLM(model).run(torch.tensor(prompt), hidden_layers=head.hidden_layers)
+    steps = []
+    for step_seconds, expect_steps in ((10.0, False), (1e-9, True)):
+        eagle_drafter = drafter(model, head, True, verify_cost=lambda length: 1.0 + 1e-6 * length)
+        eagle_drafter.start(prompt, prefill)
+        eagle_drafter._catch_up(context)
+        eagle_drafter._step_seconds = step_seconds
+        calls = []
+        real_forward = head.forward
+        head.forward = lambda *args, **kwargs: calls.append(1) or real_forward(*args, **kwargs)
+        try:
+            with torch.inference_mode():
+                candidates, parents, probs = eagle_drafter._grow_tree(8)
+        finally:
+            del head.forward
+        steps.append(len(calls))
+        assert bool(calls) == expect_steps, step_seconds
+        if not expect_steps:
+            assert parents == [-1] * len(candidates) == [-1] * eagle_drafter.top_k  # the root's top tokens only
+        eagle_drafter._cache.crop(eagle_drafter._committed)
+    assert steps[1] >= 2
+
+
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_every_length_limit_and_eos_inside_an_accepted_path(trained, tree):
     model, head = trained["llama"]

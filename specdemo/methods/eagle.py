@@ -870,13 +870,10 @@ class EagleDrafter:
         frontier = list(range(len(tokens)))  # the nodes the next step runs
         run_at: dict[int, int] = {}  # node -> its place in the cache's drafted positions
         outputs: list[torch.Tensor] = []
-        ratio = (self._observed + 1.0) / (self._expected + 1.0)
+        grown = now(self.device)
         for step in range(min(max_tokens - 1, self.max_depth)):
-            best = max(scores[node] for node in frontier)
-            if self.verify_cost is not None and self._step_seconds is not None and (
-                ratio * math.exp(best) * self.verify_cost(1) < self._step_seconds
-            ):
-                break  # a deeper node would be worth less than the step that drafts it
+            if not self._step_may_pay(scores, frontier, max_tokens, now(self.device) - grown):
+                break  # no child the next step could draft would make the tree pay more than it does now
             started = now(self.device)
             done = len(outputs)
             base = self._committed
@@ -932,20 +929,54 @@ class EagleDrafter:
             output, logits = stepped[0], self.head.logits(stepped)[0]
         return tokens, torch.stack(rows)
 
-    def _tree_size(self, probs: list[float], draft_seconds: float) -> int:
-        """How many of the best nodes pay for their place in the verify pass, the drafting counted (all, without
-        a cost model)."""
-        if self.verify_cost is None or not probs:
-            return len(probs)
-        ratio = (self._observed + 1.0) / (self._expected + 1.0)  # the head's probabilities are not calibrated
-        best_count, best_rate = 0, 1.0 / self.verify_cost(1)
+    def _calibration(self) -> float:
+        """Observed over predicted accepted tokens of recent trees: the head's probabilities are not calibrated."""
+        return (self._observed + 1.0) / (self._expected + 1.0)
+
+    def _best_size(self, probs: list[float], draft_seconds: float) -> tuple[int, float, float]:
+        """(count, tokens per second, expected tokens) of the best tree made of the first ``count`` of ``probs``
+        (path probabilities, best first), the verify pass and ``draft_seconds`` of drafting counted; count 0 is a
+        plain step."""
+        assert self.verify_cost is not None
+        ratio = self._calibration()
+        best_count, best_rate, best_expected = 0, 1.0 / self.verify_cost(1), 1.0
         expected = 1.0
         for count, prob in enumerate(probs, start=1):
             expected += ratio * prob
             rate = expected / (draft_seconds + self.verify_cost(count + 1))
             if rate > best_rate:
-                best_count, best_rate = count, rate
-        return best_count
+                best_count, best_rate, best_expected = count, rate, expected
+        return best_count, best_rate, best_expected
+
+    def _tree_size(self, probs: list[float], draft_seconds: float) -> int:
+        """How many of the best nodes pay for their place in the verify pass, the drafting counted (all, without
+        a cost model)."""
+        if self.verify_cost is None or not probs:
+            return len(probs)
+        return self._best_size(probs, draft_seconds)[0]
+
+    def _step_may_pay(self, scores: list[float], frontier: list[int], max_tokens: int, spent: float) -> bool:
+        """Whether one more tree step could make the tree pay more than the best tree of the nodes already drafted
+        (after ``spent`` seconds of growing). Its children are worth at most their parents' path probabilities,
+        each and in sum over the frontier, so the best it could add with j children is bounded and costs the step
+        and a verify pass j nodes longer (at the node budget, j children take the places of the j weakest kept
+        nodes): without a cost model or a measured step, always."""
+        if self.verify_cost is None or self._step_seconds is None:
+            return True
+        probs = sorted((math.exp(score) for score in scores), reverse=True)[:max_tokens]
+        count, rate, expected = self._best_size(probs, spent)
+        ratio = self._calibration()
+        frontier_probs = [math.exp(scores[node]) for node in frontier]
+        best, mass = max(frontier_probs), sum(frontier_probs)
+        for children in range(1, self.top_k * len(frontier) + 1):
+            displaced = max(0, count + children - max_tokens)  # over the budget a child takes a kept node's place
+            if displaced > count:
+                break
+            gain = ratio * (min(children * best, mass) - sum(probs[count - displaced : count]))
+            nodes = count + children - displaced
+            if (expected + gain) / (spent + self._step_seconds + self.verify_cost(nodes + 1)) > rate:
+                return True
+        return False
 
     def _pace(self, count: int) -> None:
         """After a tree that pays, run the head every round; after one that does not, sit out 1, 2, 4 ... up to
