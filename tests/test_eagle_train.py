@@ -193,6 +193,9 @@ def test_a_run_writes_a_head_the_drafter_loads_and_greedy_output_stays_exact(pai
         accepted = figures["mean_accepted_drafts"]
         assert len(accepted) == 3 and all(0.0 <= a <= k + 1 for k, a in enumerate(accepted))
         assert accepted == sorted(accepted)
+    # a held-out figure after each epoch but the last (whose figures are the final ones)
+    assert [entry["epoch"] for entry in report["held_out_per_epoch"]] == [1]
+    assert len(report["held_out_per_epoch"][0]["answers"]) == 3
     written = json.loads((settings.out / "training.json").read_text())
     assert written["weights_sha256"] == report["weights_sha256"] and written["head"]["dtype"] == "bfloat16"
     assert set(written["seconds"]) == {"answers", "cache", "train", "evaluate", "total"}

@@ -638,6 +638,16 @@ def train(settings: TrainSettings) -> dict:
     checkpoint = folder / f"checkpoint-eagle-{key}.pt"
     epoch, position, step, trained_before = 0, 0, 0, 0.0
     last_losses: list[float] = []
+    per_epoch: list[dict] = []  # held-out top-1 per step on the target's answers after each epoch
+    answer_splits = {name: split for name, split in (
+        ("chat_answers", chat_held_split if settings.chat_answers else None),
+        ("answers", answer_held_split if settings.answers else None)) if split is not None}
+
+    def epoch_figures(done: int) -> dict:
+        rounded = copy.deepcopy(head).to(SHIP_DTYPE).float()  # the weights as they would be written
+        return {"epoch": done, **{name: evaluate(rounded, embed_weight, split, settings.steps_unrolled,
+                                                 settings.batch_tokens)["top1_per_step"]
+                                  for name, split in answer_splits.items()}}
     if checkpoint.is_file():
         saved = torch.load(checkpoint, weights_only=True)
         if saved.get("key") == key:
@@ -647,6 +657,7 @@ def train(settings: TrainSettings) -> dict:
             torch.set_rng_state(saved["rng"])
             epoch, position, step = int(saved["epoch"]), int(saved["position"]), int(saved["step"])
             trained_before, last_losses = float(saved["train_seconds"]), list(saved["losses"])
+            per_epoch = list(saved.get("held_out_per_epoch", []))
             logger.info("resuming at epoch %d, batch %d (step %d) from %s", epoch + 1, position, step, checkpoint)
 
     train_started = time.perf_counter()
@@ -657,7 +668,7 @@ def train(settings: TrainSettings) -> dict:
         _save_checkpoint(checkpoint, {
             "key": key, "epoch": epoch_now, "position": position_now, "step": step,
             "head": _trainable_state(head), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "rng": torch.get_rng_state(), "losses": last_losses,
+            "rng": torch.get_rng_state(), "losses": last_losses, "held_out_per_epoch": per_epoch,
             "train_seconds": trained_before + time.perf_counter() - train_started,
         })
 
@@ -693,6 +704,9 @@ def train(settings: TrainSettings) -> dict:
                     saved_at = now
             if position >= len(batches):
                 epoch, position = epoch + 1, 0
+                if answer_splits and epoch < settings.epochs:  # the last epoch's figures are the final ones
+                    per_epoch.append(epoch_figures(epoch))
+                    head.train()
             save(epoch, position)
             saved_at = time.perf_counter()
     train_seconds = trained_before + time.perf_counter() - train_started
@@ -746,6 +760,7 @@ def train(settings: TrainSettings) -> dict:
                     "total": round(time.perf_counter() - started, 1)},
         "last_train_loss_per_step": [round(v, 4) for v in last_losses],
         "held_out": held,
+        "held_out_per_epoch": per_epoch,
         "torch_threads": torch.get_num_threads(),
         "weights_sha256": digest,
     }
