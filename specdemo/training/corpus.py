@@ -4,6 +4,11 @@ The target answers these prompts itself (``medusa_train``), so the heads learn t
 writing chat answers: explanations, code, edits, summaries, translations, worked arithmetic, short pieces of
 writing. The material is the standard library's functions and docstrings and the language reference's prose
 (``pydoc_data``); the word lists below are the project's own. The benchmark prompt files are never read.
+
+:func:`training_prompts` draws its prompts in one seeded sequence, so a set of another size is another set.
+:func:`chat_prompts` (the EAGLE trainer's ``--chat-answers``) makes prompt i from the seed and i alone: advice,
+explanations, extraction from a made-up text, humanities, lists, arithmetic, plans, logic puzzles, rewriting in a
+tone, role play, STEM and writing, so that a larger set extends a smaller one and its answers can be reused.
 """
 
 from __future__ import annotations
