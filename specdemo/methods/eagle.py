@@ -70,7 +70,7 @@ WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
 SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
     "qwen2.5-coder-1.5b": (
         Path(__file__).resolve().parents[1] / "data" / "eagle" / "qwen2.5-coder-1.5b",
-        "70aa79e5033e06cc205eb19472ad27b09bb143107ed2ef586b47b624ca1818e0",
+        "0f7c42483d53ac98712315c0a313b23819444425c049cac8fe97099f81b5339b",
     ),
 }
 #: a tree's candidates per node: each expanded node's top tokens, and the nodes expanded at each depth
