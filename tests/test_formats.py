@@ -10,12 +10,17 @@ from test_medusa import GREEDY, PROMPTS, plain_ids, random_heads
 from tiny import VOCAB, gpt2, llama, qwen2
 
 from specdemo.backends.formats import (
+    FBGEMM,
+    FBGEMM_ONEDNN,
     INT8,
+    ONEDNN,
     W8A8,
+    W8A8_KERNEL_ENV,
     Int8WeightLinear,
     W8A8Linear,
     int8_format_of,
     is_int8_format,
+    onednn_kernel_available,
     output_rows,
     output_weight,
     row_wise_attention,
@@ -41,6 +46,12 @@ from specdemo.methods.ngram import NgramDrafter
 
 #: every int8-weight format, for the tests that hold for each
 FORMATS = pytest.mark.parametrize("fmt", [INT8, W8A8])
+#: the w8a8 kernels this torch build has
+KERNELS = pytest.mark.parametrize("kernel", [
+    FBGEMM,
+    pytest.param(ONEDNN, marks=pytest.mark.skipif(not onednn_kernel_available(), reason="no oneDNN int8 ops")),
+    pytest.param(FBGEMM_ONEDNN, marks=pytest.mark.skipif(not onednn_kernel_available(), reason="no oneDNN int8 ops")),
+])
 
 
 def int8_model(factory, seed: int, fmt: str = INT8, **kwargs):
@@ -61,14 +72,16 @@ def test_int8_linear_rows_do_not_depend_on_their_neighbours():
     assert ((quantized.dequantized().float() - linear.weight).abs() <= step * 0.51 + 1e-3).all()
 
 
+@KERNELS
 @pytest.mark.parametrize("two_parts", [False, True], ids=["7-bit", "two-part"])
-@pytest.mark.parametrize("in_features", [96, 100, 1536])
-def test_w8a8_linear_rows_do_not_depend_on_their_neighbours(in_features, two_parts):
+@pytest.mark.parametrize("in_features", [64, 96, 100, 1536])
+def test_w8a8_linear_rows_do_not_depend_on_their_neighbours(in_features, two_parts, kernel):
     """Each token has its own activation scale and the sums are integers, so a row comes out bit-equal whatever
-    else is in the pass, even beside a token whose activations are a thousand times larger."""
+    else is in the pass, even beside a token whose activations are a thousand times larger (64 x 200: a shape
+    where oneDNN's kernels, given the scales, rounded one call shape differently from another)."""
     torch.manual_seed(in_features)
     linear = torch.nn.Linear(in_features, 200, bias=True)
-    layer = W8A8Linear(linear, two_parts=two_parts)
+    layer = W8A8Linear(linear, two_parts=two_parts, kernel=kernel)
     rows = torch.randn(70, in_features)
     rows[5] *= 1000.0
     rows[9, 3] = 80.0  # an outlier channel in one token
@@ -87,6 +100,38 @@ def test_w8a8_linear_rows_do_not_depend_on_their_neighbours(in_features, two_par
     assert error(rows[9:10]) < 0.006 if two_parts else error(rows[9:10]) > 0.03
     step = linear.weight.abs().amax(dim=1, keepdim=True) / 127
     assert ((layer.dequantized().float() - linear.weight).abs() <= step * 0.51 + linear.weight.abs() / 256).all()
+
+
+@KERNELS
+@pytest.mark.parametrize("shape", [(1536, 256), (64, 48), (96, 200)], ids=str)
+def test_every_w8a8_kernel_returns_the_exact_integer_sums(shape, kernel):
+    """With unit scales each kernel gives the int64 products rounded once to float32, for every call shape (one row,
+    a few, many) and at the grid's ends, so the kernels agree with each other bit for bit."""
+    in_features, out_features = shape
+    generator = torch.Generator().manual_seed(in_features)
+    layer = W8A8Linear(torch.nn.Linear(in_features, out_features), kernel=kernel)
+    qweight = (layer.dequantized().float() / layer.weight_scale[:, None]).round().long()  # the int8 values
+    steps = torch.randint(-63, 64, (70, in_features), generator=generator).float()
+    steps[3], steps[4] = 63.0, -63.0
+    exact = (steps.long() @ qweight.t()).float()
+    for count in (1, 2, 3, 5, 6, 8, 16, 17, 33, 70):
+        assert torch.equal(layer._integer_sums(steps[:count].contiguous()), exact[:count]), count
+
+
+@pytest.mark.skipif(not onednn_kernel_available(), reason="no oneDNN int8 ops")
+def test_the_w8a8_kernels_give_the_same_bits():
+    linear = torch.nn.Linear(100, 300)
+    rows = torch.randn(9, 100)
+    outs = [W8A8Linear(linear, two_parts=True, kernel=kernel)(rows) for kernel in (FBGEMM, ONEDNN, FBGEMM_ONEDNN)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    model = to_int8_format(qwen2(3), W8A8, kernel=FBGEMM_ONEDNN)
+    assert {m.kernel for m in model.modules() if isinstance(m, W8A8Linear)} == {FBGEMM_ONEDNN}
+
+
+def test_a_misspelt_w8a8_kernel_is_one_line(monkeypatch):
+    monkeypatch.setenv(W8A8_KERNEL_ENV, "cublas")
+    with pytest.raises(ModelLoadError, match="SPECDEMO_W8A8_KERNEL='cublas': use one of fbgemm, onednn"):
+        resolve_format("w8a8", torch.device("cpu"))
 
 
 @FORMATS

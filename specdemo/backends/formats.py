@@ -21,16 +21,19 @@ pass would. Every piece of this format is chosen so that a token's row never dep
 Prefills longer than :data:`ROW_WISE_MAX_QUERIES` use the stock attention; both sides of a race prefill the same
 prompt in the same call, so they agree there too.
 
-``w8a8`` is the same design with a different matmul: FBGEMM's int8 GEMM (PyTorch's ``quantized`` ops, as the
-draft's dynamic quantisation uses), which multiplies int8 by int8 with int32 sums. Integer sums are exact in any
-order, so the only thing that could mix rows is the activation scale, and :class:`W8A8Linear` gives each token its
-own. On CPUs without AVX-512 its cost grows far more slowly with the rows of a pass than the weight-only kernel's,
-which turns float32 multiply-adds over four rows at a time into the bottleneck.
+``w8a8`` is the same design with a different matmul: int8 by int8 with int32 sums, in FBGEMM (PyTorch's
+``quantized`` ops, as the draft's dynamic quantisation uses) or oneDNN (AMX tiles where the CPU has them; see
+:func:`w8a8_kernel`). Integer sums are exact in any order, and the kernels are called with unit scales so that they
+return just those sums; the only thing that could mix rows is then the activation scale, and :class:`W8A8Linear`
+gives each token its own. On CPUs without AVX-512 its cost grows far more slowly with the rows of a pass than the
+weight-only kernel's, which turns float32 multiply-adds over four rows at a time into the bottleneck; with AMX, a
+pass over 8 tokens costs little more than one.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 import weakref
 
@@ -59,6 +62,13 @@ W8A8_ACTIVATIONS = torch.float32
 W8A8_STEPS = 63
 #: the zero point of the activation grid in FBGEMM's unsigned 8-bit activations
 W8A8_ZERO_POINT = 64
+#: the int8 GEMMs a w8a8 layer multiplies with: FBGEMM's (PyTorch's ``quantized`` ops), oneDNN's
+#: (``onednn::qlinear_pointwise``, which uses AMX tiles where the CPU has them), or FBGEMM's for one-row calls and
+#: oneDNN's for the rest. Each returns the exact integer sums (unit scales), so all three give the same bits
+FBGEMM, ONEDNN, FBGEMM_ONEDNN = "fbgemm", "onednn", "fbgemm+onednn"
+W8A8_KERNELS = (FBGEMM, ONEDNN, FBGEMM_ONEDNN)
+#: the environment variable that names the w8a8 kernels (to measure one against another); unset: :func:`w8a8_kernel`
+W8A8_KERNEL_ENV = "SPECDEMO_W8A8_KERNEL"
 #: the attention implementation registered with transformers for int8 targets
 ROW_WISE_ATTENTION = "specdemo_row_wise"
 #: passes over at most this many new tokens compute every query alone: every verify pass (the longest draft,
@@ -101,56 +111,102 @@ class Int8WeightLinear(nn.Module):
 
 class W8A8Linear(nn.Module):
     """A linear layer with int8 weights (symmetric, one scale per output channel) and int8 activations with one
-    scale per token (its largest magnitude), multiplied with int32 sums by FBGEMM; float32 in and out.
+    scale per token (its largest magnitude), multiplied with int32 sums by FBGEMM or oneDNN; float32 in and out.
 
-    A token's row is divided by its own scale, quantised on a fixed 7-bit grid (:data:`W8A8_STEPS`) and multiplied
-    back after the matmul, so nothing in it depends on the other rows of the pass; the bias is added last. With
-    ``two_parts`` a row goes in as two 7-bit rows of the same call, its rounded values and what rounding left
-    (scaled up by ``2 * W8A8_STEPS``), for about 14 bits of activation at the cost of twice the rows: the layers
-    whose inputs have outlier channels (an MLP's down projection, the LM head) need it."""
+    A token's row is divided by its own scale and rounded on a fixed 7-bit grid (:data:`W8A8_STEPS`); the kernel
+    returns the exact integer sums of those steps times the int8 weights (unit scales: no kernel rounds anything
+    but the final int32 to float32, so every kernel and every call shape gives the same bits), which are then
+    multiplied by the weight step and the token's scale, element by element; the bias is added last. Nothing in a
+    row depends on the other rows of the pass. With ``two_parts`` a row goes in as two 7-bit rows of the same call,
+    its rounded values and what rounding left (scaled up by ``2 * W8A8_STEPS``), for about 14 bits of activation
+    at the cost of twice the rows: the layers whose inputs have outlier channels (an MLP's down projection, the LM
+    head) need it. ``kernel`` is one of :data:`W8A8_KERNELS` (None: :func:`w8a8_kernel`)."""
 
-    def __init__(self, linear: nn.Linear, two_parts: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, two_parts: bool = False, kernel: str | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.two_parts = two_parts
+        self.kernel = kernel or w8a8_kernel()
+        if self.kernel not in W8A8_KERNELS:
+            raise ValueError(f"unknown w8a8 kernel {self.kernel!r}: use one of {', '.join(W8A8_KERNELS)}")
         weight = linear.weight.detach().float()
         scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
-        zero_points = torch.zeros(self.out_features, dtype=torch.long)
-        with warnings.catch_warnings():  # quantised tensors are deprecated, the FBGEMM ops that take them are not
-            warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(weight, scale.double(), zero_points, 0, torch.qint8)
-            with _fbgemm_engine():
-                self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        qweight = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        #: one activation step times one weight step, per output channel
+        self.register_buffer("weight_step", scale / W8A8_STEPS)
+        self.register_buffer("weight_scale", scale)
+        # a two-part layer never takes one row, so it needs no one-row kernel
+        uses_fbgemm = self.kernel == FBGEMM or (self.kernel == FBGEMM_ONEDNN and not two_parts)
+        uses_onednn = self.kernel != FBGEMM
+        self.fbgemm_packed = _fbgemm_pack(qweight) if uses_fbgemm else None
+        self.onednn_packed = torch.ops.onednn.qlinear_prepack(qweight, [1, self.in_features]) if uses_onednn else None
+        #: the int8 weights, kept where no FBGEMM packing can give them back (oneDNN's cannot be unpacked)
+        self.register_buffer("qweight", None if uses_fbgemm else qweight)
+        self._unit_scales = torch.ones(self.out_features)
+        self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().to(W8A8_ACTIVATIONS))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, self.in_features).to(W8A8_ACTIVATIONS)
         token_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(W8A8_ACTIVATIONS).tiny)
-        steps = rows / token_scale * W8A8_STEPS  # in [-63, 63]
+        scaled = rows / token_scale * W8A8_STEPS  # in [-63, 63]
+        steps = torch.round(scaled)
         if self.two_parts:
-            rounded = torch.round(steps)
-            steps = torch.cat([rounded, (steps - rounded) * (2 * W8A8_STEPS)])  # the rest, in [-63, 63] too
-        out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            steps / W8A8_STEPS, 1.0 / W8A8_STEPS, W8A8_ZERO_POINT, self.packed
-        )
-        if self.two_parts:
+            steps = torch.cat([steps, torch.round((scaled - steps) * (2 * W8A8_STEPS))])  # the rest, in [-63, 63]
+        out = self._integer_sums(steps)  # a fresh tensor: scaled in place (plain products and sums, the same in
+        if self.two_parts:               # every lane of every kernel, so no row depends on its place in the call)
             count = rows.shape[0]
-            out = out[:count] + out[count:] / (2 * W8A8_STEPS)
-        out = out * token_scale
+            out = out[count:].div_(2 * W8A8_STEPS).add_(out[:count])
+        out.mul_(self.weight_step).mul_(token_scale)
         if self.bias is not None:
-            out = out + self.bias
+            out.add_(self.bias)
         return out.reshape(*hidden.shape[:-1], self.out_features)
+
+    def _integer_sums(self, steps: torch.Tensor) -> torch.Tensor:
+        """The exact integer products of activation rows on the 7-bit grid (whole numbers in [-63, 63], as
+        float32) and the int8 weights, as float32: FBGEMM's kernel for one row if the layer has it, else oneDNN's.
+
+        oneDNN picks its kernel by the call's shape; with scales inside the call its kernels round differently
+        (a 1536 x 256 layer's one-row results differed from its GEMM's in the last bits). With unit scales every
+        kernel returns the integer sums, rounded once to float32 (``tests/test_formats.py`` checks both kernels
+        against int64 products)."""
+        if self.onednn_packed is None or (self.fbgemm_packed is not None and steps.shape[0] == 1):
+            return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                steps, 1.0, W8A8_ZERO_POINT, self.fbgemm_packed
+            )
+        activations = (steps + W8A8_ZERO_POINT).to(torch.uint8)
+        return torch.ops.onednn.qlinear_pointwise(
+            activations, 1.0, W8A8_ZERO_POINT, self.onednn_packed, self._unit_scales, self._zero_points, None,
+            1.0, 0, torch.float32, "none", [], "",
+        )
 
     def dequantized(self) -> torch.Tensor:
         """The weights as bfloat16 (what the int8 values and scales stand for, as the int8 format gives them: a
         float32 copy of a 150k-row head would cost Medusa more to read than a whole w8a8 target pass)."""
-        weight, _ = self.packed.unpack()
-        return weight.dequantize().to(INT8_ACTIVATIONS)
+        if self.qweight is not None:
+            qweight = self.qweight
+        else:
+            packed, _ = self.fbgemm_packed.unpack()
+            qweight = packed.int_repr()
+        return (qweight.float() * self.weight_scale[:, None]).to(INT8_ACTIVATIONS)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations, "
+                f"{self.kernel}")
+
+
+def _fbgemm_pack(qweight: torch.Tensor) -> torch.ScriptObject:
+    """int8 weights packed for FBGEMM with unit scales (the layer applies the real ones)."""
+    count = qweight.shape[0]
+    with warnings.catch_warnings():  # quantised tensors are deprecated, the FBGEMM ops that take them are not
+        warnings.simplefilter("ignore")
+        quantized = torch._make_per_channel_quantized_tensor(
+            qweight, torch.ones(count, dtype=torch.double), torch.zeros(count, dtype=torch.long), 0
+        )
+        with _fbgemm_engine():
+            return torch.ops.quantized.linear_prepack(quantized, None)
 
 
 class _fbgemm_engine:
@@ -192,20 +248,54 @@ def w8a8_kernel_available() -> bool:
     )
 
 
-def to_int8_format(model: PreTrainedModel, fmt: str = INT8) -> PreTrainedModel:
+def onednn_kernel_available() -> bool:
+    """Whether this torch build has oneDNN's int8 linear ops (x86 builds with oneDNN)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def _has_amx() -> bool:
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:  # pragma: no cover - a CPU torch that cannot tell
+        return False
+
+
+def w8a8_kernel() -> str:
+    """The int8 GEMMs w8a8 layers multiply with here (one of :data:`W8A8_KERNELS`): :data:`W8A8_KERNEL_ENV` if set;
+    else, where the CPU has AMX tiles, FBGEMM's for one-row calls and oneDNN's for the rest, elsewhere FBGEMM's.
+
+    Measured on the 2-core AMX Xeon, one 1536 x 8960 layer read from memory: FBGEMM 0.56 ms for one row, 1.52 and
+    1.83 times that for 8 and 16; oneDNN 0.60 ms, 1.01 and 1.04 times. Without AMX oneDNN was no flatter (AVX-512
+    VNNI) or four to eight times slower (AVX2). Where both are used, the layers that take one row hold both
+    packings (about 0.7 of the weights twice)."""
+    named = os.environ.get(W8A8_KERNEL_ENV, "").strip().lower()
+    if named:
+        if named not in W8A8_KERNELS:
+            raise ValueError(f"{W8A8_KERNEL_ENV}={named!r}: use one of {', '.join(W8A8_KERNELS)}")
+        if named != FBGEMM and not onednn_kernel_available():
+            raise ValueError(f"{W8A8_KERNEL_ENV}={named}: this torch build has no oneDNN int8 linear ops")
+        return named
+    return FBGEMM_ONEDNN if _has_amx() and onednn_kernel_available() else FBGEMM
+
+
+def to_int8_format(model: PreTrainedModel, fmt: str = INT8, kernel: str | None = None) -> PreTrainedModel:
     """Turn a CPU model into ``fmt`` (:data:`INT8` or :data:`W8A8`) in place: every linear layer (LM head included)
-    int8, everything else in the format's activation dtype, attention row-wise for short passes. Returns the
-    model."""
+    int8, everything else in the format's activation dtype, attention row-wise for short passes; w8a8 layers
+    multiply with ``kernel`` (None: :func:`w8a8_kernel`). Returns the model."""
     layer, activations = _FORMAT_LAYERS[fmt]
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is getattr(model.get_input_embeddings(), "weight", None)
     hidden_size = getattr(model.config, "hidden_size", None)
+    if layer is W8A8Linear:
+        kernel = kernel or w8a8_kernel()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, (nn.Linear, Conv1D)):  # quantised from the weights as loaded, a layer at a time
                 linear = _as_linear(child)
                 if layer is W8A8Linear:
-                    setattr(parent, name, W8A8Linear(linear, two_parts=child is head or _narrows(linear, hidden_size)))
+                    two_parts = child is head or _narrows(linear, hidden_size)
+                    setattr(parent, name, W8A8Linear(linear, two_parts=two_parts, kernel=kernel))
                 else:
                     setattr(parent, name, layer(linear))
     model.to(activations)

@@ -177,6 +177,11 @@ def resolve_format(name: str, device: torch.device) -> str:
             raise ModelLoadError("the int8 format needs a torch build with the weight-only int8 CPU kernel")
         if text == formats.W8A8 and not formats.w8a8_kernel_available():
             raise ModelLoadError("the w8a8 format needs a torch build with FBGEMM (x86 CPUs)")
+        if text == formats.W8A8:
+            try:
+                formats.w8a8_kernel()
+            except ValueError as error:  # a misspelt SPECDEMO_W8A8_KERNEL: one line, before any loading
+                raise ModelLoadError(str(error)) from None
         return text
     try:
         return str(_DTYPES[text]).removeprefix("torch.")

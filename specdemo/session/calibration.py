@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..backends import formats
 from ..backends.formats import output_rows
 from ..backends.loading import (
     LoadedModel,
@@ -92,9 +93,11 @@ def detect_hardware(device: torch.device) -> Hardware:
 
 
 def _kernel_isa() -> str:
-    """What the CPU kernels use: torch's dispatch level, and oneDNN's and FBGEMM's limits if the environment sets
-    them."""
+    """What the CPU kernels use: torch's dispatch level, the w8a8 format's int8 GEMMs, and oneDNN's and FBGEMM's
+    limits if the environment sets them (part of the cache key: a curve measured with other kernels is stale)."""
     isa = torch.backends.cpu.get_cpu_capability()
+    if formats.w8a8_kernel_available():
+        isa += f", w8a8 {formats.w8a8_kernel()}"
     limit = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
     if limit:
         isa += f", oneDNN up to {limit}"
