@@ -13,7 +13,7 @@ from test_medusa import random_heads
 from test_sampling import ALPHA, _chi_square_p
 from tiny import VOCAB, llama, qwen2, save_tiny_eagle_head, save_tiny_pair
 
-from specdemo.backends.formats import INT8, W8A8, activation_dtype, to_int8_format
+from specdemo.backends.formats import INT8, W8A8, W8A8Linear, activation_dtype, to_int8_format
 from specdemo.backends.loading import LoadedModel, LoadSettings
 from specdemo.backends.transformers_lm import CachedLM
 from specdemo.core.acceptance import target_distribution
@@ -331,27 +331,55 @@ def test_eagle_in_the_int8_formats_equals_plain_decoding_in_that_format(trained,
     assert accepted > 50
 
 
-def test_beside_a_w8a8_target_the_head_runs_in_the_dtype_that_steps_faster(trained, tmp_path, monkeypatch, caplog):
+def test_beside_an_int8_or_w8a8_target_the_head_runs_in_the_format_that_drafts_fastest(
+        trained, tmp_path, monkeypatch, caplog):
     _, fitted = trained["llama"]
     before = {name: tensor.clone() for name, tensor in fitted.state_dict().items()}
     with caplog.at_level("INFO", logger="specdemo.methods.eagle"):
-        chosen = eagle.fastest_head_dtype(fitted, eagle.W8A8_HEAD_DTYPES, context=16, repeats=1)
-    assert chosen in eagle.W8A8_HEAD_DTYPES and "running it in" in caplog.text
+        chosen = eagle.fastest_head_format(fitted, eagle.CPU_HEAD_FORMATS, context=16, repeats=1)
+    assert isinstance(chosen, EagleHead) and "running it in" in caplog.text
     assert all(torch.equal(tensor, before[name]) for name, tensor in fitted.state_dict().items())  # untouched
     folder = tmp_path / "head"
     save_head(fitted, folder, torch.float32)
     measured = []
-    monkeypatch.setattr(eagle, "fastest_head_dtype", lambda head, dtypes, **_: measured.append(dtypes) or dtypes[-1])
+
+    def as_told(head, formats, **_):  # the last format (w8a8), without timing anything
+        measured.append(formats)
+        return eagle.head_in_format(head, formats[-1])
+
+    monkeypatch.setattr(eagle, "fastest_head_format", as_told)
     for fmt in (W8A8, INT8):
         model = to_int8_format(llama(1), fmt)
         target = LoadedModel("tiny", model, None, CPU, activation_dtype(fmt), LoadSettings(dtype=fmt))
         head = head_for(target, str(folder))
-        assert head.fc.weight.dtype == torch.bfloat16  # w8a8: the faster (here: as told); int8: the target's
-        assert len(measured) == 1  # measured beside w8a8 only
-        settings = GenerationSettings(max_new_tokens=16)
-        final = collect(speculative_decode(CachedLM(model), drafter(model, head, True), FixedDraftLength(4),
-                                           PROMPTS[0], settings))
-        assert final.new_token_ids == plain_ids(model, PROMPTS[0], settings)
+        assert isinstance(head.fc, W8A8Linear) and isinstance(head.lm_head, W8A8Linear)
+        assert head.dtype == torch.float32 and measured[-1] == eagle.CPU_HEAD_FORMATS
+        for tree, budget in ((True, 4), (False, 3), (True, "adaptive")):
+            settings = GenerationSettings(max_new_tokens=16)
+            policy, eagle_drafter = policy_and_drafter(model, head, tree, budget)
+            final = collect(speculative_decode(CachedLM(model), eagle_drafter, policy, PROMPTS[0], settings))
+            assert final.new_token_ids == plain_ids(model, PROMPTS[0], settings), (fmt, tree, budget)
+    model = llama(1)  # a float32 target: the head in its dtype, nothing measured
+    head = head_for(LoadedModel("tiny", model, None, CPU, torch.float32, LoadSettings(dtype="float32")), str(folder))
+    assert len(measured) == 2 and isinstance(head.fc, torch.nn.Linear) and head.dtype == torch.float32
+
+
+def test_the_w8a8_head_drafts_what_the_float32_head_drafts(trained):
+    """Two-part activations (about 14 bits) in every layer: the head's top-1 barely moves (on the real head 98.6 %
+    of teacher-forced positions agreed with float32, as bfloat16's 98.3 %; 7-bit activations agreed 81 %)."""
+    for name in ("llama", "qwen2"):
+        model, fitted = trained[name]
+        quantised = eagle.head_in_format(fitted, W8A8)
+        assert quantised is not fitted and isinstance(quantised.midlayer.mlp.down_proj, W8A8Linear)
+        assert eagle.head_in_format(fitted, "float32") is fitted
+        generator = torch.Generator().manual_seed(1)
+        rows = 48
+        states = torch.randn(rows, fitted.config.num_features * fitted.config.hidden_size, generator=generator)
+        embeds = model.get_input_embeddings()(torch.randint(0, VOCAB, (rows,), generator=generator))
+        with torch.inference_mode():
+            tops = [head.logits(head(head.features(states), embeds, torch.arange(rows))).argmax(-1)
+                    for head in (fitted, quantised)]
+        assert (tops[0] == tops[1]).float().mean() >= 0.9, name
 
 
 def test_sampled_runs_refuse_a_tree():

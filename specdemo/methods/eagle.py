@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ..backends.formats import W8A8, output_rows, output_weight
+from ..backends.formats import INT8, W8A8, W8A8Linear, output_rows, output_weight, w8a8_kernel_available
 from ..backends.loading import LoadedModel
 from ..core.acceptance import target_distribution
 from ..core.clock import now
@@ -79,10 +79,11 @@ TOP_K = 4
 MAX_TREE_DEPTH = 8
 #: the most rounds a tree drafter sits out (head not run) after trees that did not pay, before it looks again
 MAX_REST = 32
-#: the dtypes a head may run in beside a w8a8 target (whose activations are float32 but whose LM head is shared as
-#: bfloat16): whichever steps faster on this machine (bfloat16 where the CPU has it natively, see
-#: :func:`fastest_head_dtype`); beside every other target the head runs in the target's own dtype
-W8A8_HEAD_DTYPES = (torch.float32, torch.bfloat16)
+#: the formats a head may run in beside an int8 or w8a8 target on a CPU: whichever drafts fastest on this machine
+#: (:func:`fastest_head_format`); "w8a8" is float32 with every linear layer in w8a8's integer kernels, two-part
+#: activations (see :func:`head_in_format`), where the CPU has them. Beside every other target the head runs in the
+#: target's own dtype. A head's format changes what a draft costs, never what the target writes.
+CPU_HEAD_FORMATS = ("float32", "bfloat16", "w8a8")
 
 
 class EagleLoadError(ValueError):
@@ -316,9 +317,18 @@ class EagleHead(nn.Module):
     def hidden_layers(self) -> tuple[int, ...]:
         return self.config.hidden_layers
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the head computes in (its norms'; its linear layers may hold int8 weights)."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     def features(self, target_states: torch.Tensor) -> torch.Tensor:
         """The feature g_t of each row of the target's concatenated states."""
-        states = target_states.to(self.fc.weight.dtype)
+        states = target_states.to(self.dtype)
         return self.fc(self.input_norm(states) if self.input_norm is not None else states)
 
     def forward(
@@ -331,7 +341,7 @@ class EagleHead(nn.Module):
     ) -> torch.Tensor:
         """The layer's outputs [n, H] for features [n, H] and token embeddings [n, H] at ``positions`` [n].
         ``visible`` [n, cached + n] (True: attend): None = causal over the new rows after everything cached."""
-        dtype = self.fc.weight.dtype
+        dtype = self.dtype
         count = features.shape[0]
         cached = cache.length if cache is not None else 0
         if visible is None and count > 1:
@@ -674,8 +684,9 @@ _HEADS: "weakref.WeakKeyDictionary[nn.Module, dict[str, EagleHead]]" = weakref.W
 
 
 def head_for(target: LoadedModel, source: str | None = None) -> EagleHead:
-    """The EAGLE-3 head for ``target`` in its dtype and on its device: from ``source`` (a folder or Hub id), or the
-    head shipped for an offline target (sha256-checked); InputError with one line when there is none or it misfits."""
+    """The EAGLE-3 head for ``target`` in its dtype and on its device (beside an int8 or w8a8 target on a CPU: in
+    the fastest of :data:`CPU_HEAD_FORMATS`): from ``source`` (a folder or Hub id), or the head shipped for an
+    offline target (sha256-checked); InputError with one line when there is none or it misfits."""
     expected_sha256 = None
     if source is None:
         shipped = shipped_head_for(target.source)
@@ -694,27 +705,44 @@ def head_for(target: LoadedModel, source: str | None = None) -> EagleHead:
         head = load_head(source, target_facts(target), expected_sha256, lambda: output_weight(target.model))
     except EagleLoadError as error:
         raise InputError(str(error), field="eagle_head") from None
-    dtype = target.dtype
-    if target.device.type == "cpu" and target.format == W8A8:
-        dtype = fastest_head_dtype(head, W8A8_HEAD_DTYPES)
-    head = head.to(device=target.device, dtype=dtype)
+    if target.device.type == "cpu" and target.format in (INT8, W8A8):
+        formats = tuple(fmt for fmt in CPU_HEAD_FORMATS if fmt != W8A8 or w8a8_kernel_available())
+        head = fastest_head_format(head, formats)
+    else:
+        head = head.to(device=target.device, dtype=target.dtype)
     per_model[source] = head
     return head
 
 
+def head_in_format(head: EagleHead, fmt: str) -> EagleHead:
+    """``head`` in ``fmt`` (one of :data:`CPU_HEAD_FORMATS`): a dtype, or "w8a8", a float32 copy whose linear layers
+    are :class:`~specdemo.backends.formats.W8A8Linear` with two-part activations (about 14 bits; a head step reads a
+    quarter of float32's bytes). ``head`` itself where it is in that dtype already."""
+    if fmt != W8A8:
+        dtype = getattr(torch, fmt)
+        return head if head.dtype == dtype else copy.deepcopy(head).to(dtype)
+    quantised = copy.deepcopy(head).float()
+    for module in list(quantised.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, W8A8Linear(child, two_parts=True))
+    return quantised
+
+
 @torch.inference_mode()
-def fastest_head_dtype(head: EagleHead, dtypes: Sequence[torch.dtype], context: int = 256, repeats: int = 5,
-                       ) -> torch.dtype:
-    """Of ``dtypes``, the one in which ``head`` (on the CPU) drafts fastest here: the median seconds of a one-row
-    chain step plus a :data:`TOP_K`-row tree step, after ``context`` cached positions, each with its logits. A
-    head's dtype never changes what the target writes, only what a draft costs; measured because it depends on
-    the CPU (native bfloat16 or not) and on the kernels torch dispatches to, in well under a second."""
+def fastest_head_format(head: EagleHead, formats: Sequence[str], context: int = 256, repeats: int = 5,
+                        ) -> EagleHead:
+    """Of ``formats``, the head in the one in which it drafts fastest here: the median seconds of a one-row chain
+    step plus a :data:`TOP_K`-row tree step, after ``context`` cached positions, each with its logits. A head's
+    format never changes what the target writes, only what a draft costs; measured because it depends on the CPU
+    (native bfloat16 or not) and on the kernels torch dispatches to, in about a second."""
     hidden = head.config.hidden_size
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(rows, hidden, generator=generator) for rows in (context, 1, TOP_K)]
-    seconds: dict[torch.dtype, float] = {}
-    for dtype in dtypes:
-        trial = head if dtype == head.fc.weight.dtype else copy.deepcopy(head).to(dtype)
+    seconds: dict[str, float] = {}
+    best: tuple[float, EagleHead] | None = None
+    for fmt in formats:
+        trial = head_in_format(head, fmt)
         cache = _KVCache()
         trial(inputs[0], inputs[0], torch.arange(context), cache)
         times = []
@@ -724,12 +752,16 @@ def fastest_head_dtype(head: EagleHead, dtypes: Sequence[torch.dtype], context: 
                 trial.logits(trial(rows, rows, torch.full((rows.shape[0],), context), cache)).float()
                 cache.crop(context)
             times.append(now(torch.device("cpu")) - started)
-        seconds[dtype] = sorted(times[1:])[repeats // 2]
+        seconds[fmt] = sorted(times[1:])[repeats // 2]
+        if best is None or seconds[fmt] < best[0]:
+            best = (seconds[fmt], trial)
         del trial
-    best = min(seconds, key=seconds.__getitem__)
+    if best is None:
+        raise ValueError("no head format to measure")
+    chosen = min(seconds, key=seconds.__getitem__)
     logger.info("EAGLE head steps: %s; running it in %s", ", ".join(
-        f"{str(dtype).removeprefix('torch.')} {value * 1000:.1f} ms" for dtype, value in seconds.items()), best)
-    return best
+        f"{fmt} {value * 1000:.1f} ms" for fmt, value in seconds.items()), chosen)
+    return best[1]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -793,7 +825,7 @@ class EagleDrafter:
 
     @property
     def device(self) -> torch.device:
-        return self.head.fc.weight.device
+        return self.head.device
 
     def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
         states = prefill.hidden_states if prefill is not None else None

@@ -352,7 +352,7 @@ def unrolled_forward(head: EagleHead, embed_weight: torch.Tensor, batch: Batch, 
     row: later steps attend to its keys), then [A, H] for the active rows."""
     layer = head.midlayer
     attn = layer.self_attn
-    dtype = head.fc.weight.dtype
+    dtype = head.dtype
     heads, kv_heads, head_dim = attn.heads, attn.kv_heads, attn.head_dim
     groups = heads // kv_heads
     scale = head_dim**-0.5
