@@ -36,6 +36,7 @@ import logging
 import os
 import warnings
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -289,20 +290,24 @@ def to_int8_format(model: PreTrainedModel, fmt: str = INT8, kernel: str | None =
     hidden_size = getattr(model.config, "hidden_size", None)
     if layer is W8A8Linear:
         kernel = kernel or w8a8_kernel()
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, (nn.Linear, Conv1D)):  # quantised from the weights as loaded, a layer at a time
-                linear = _as_linear(child)
-                if layer is W8A8Linear:
-                    two_parts = child is head or _narrows(linear, hidden_size)
-                    setattr(parent, name, W8A8Linear(linear, two_parts=two_parts, kernel=kernel))
-                else:
-                    setattr(parent, name, layer(linear))
+        replace_linear_layers(model, lambda linear, child: W8A8Linear(
+            linear, two_parts=child is head or _narrows(linear, hidden_size), kernel=kernel))
+    else:
+        replace_linear_layers(model, lambda linear, _: layer(linear))
     model.to(activations)
     if tied:  # the embedding keeps its table; the head is an int8 copy, so they are no longer tied
         model.config.tie_word_embeddings = False
     model.set_attn_implementation(ROW_WISE_ATTENTION)
     return model
+
+
+def replace_linear_layers(module: nn.Module, make: Callable[[nn.Linear, nn.Module], nn.Module]) -> None:
+    """Replace every linear layer under ``module`` (GPT-2's ``Conv1D`` too) in place, a layer at a time, by
+    ``make(linear, layer)``: ``linear`` the layer as an ``nn.Linear``, ``layer`` the original module."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (nn.Linear, Conv1D)):
+                setattr(parent, name, make(_as_linear(child), child))
 
 
 def _narrows(linear: nn.Linear, hidden_size: int | None) -> bool:

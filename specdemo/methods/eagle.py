@@ -40,7 +40,15 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ..backends.formats import INT8, W8A8, W8A8Linear, output_rows, output_weight, w8a8_kernel_available
+from ..backends.formats import (
+    INT8,
+    W8A8,
+    W8A8Linear,
+    output_rows,
+    output_weight,
+    replace_linear_layers,
+    w8a8_kernel_available,
+)
 from ..backends.loading import LoadedModel
 from ..core.acceptance import target_distribution
 from ..core.clock import now
@@ -722,10 +730,7 @@ def head_in_format(head: EagleHead, fmt: str) -> EagleHead:
         dtype = getattr(torch, fmt)
         return head if head.dtype == dtype else copy.deepcopy(head).to(dtype)
     quantised = copy.deepcopy(head).float()
-    for module in list(quantised.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, W8A8Linear(child, two_parts=True))
+    replace_linear_layers(quantised, lambda linear, _: W8A8Linear(linear, two_parts=True))
     return quantised
 
 
@@ -740,7 +745,7 @@ def fastest_head_format(head: EagleHead, formats: Sequence[str], context: int = 
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(rows, hidden, generator=generator) for rows in (context, 1, TOP_K)]
     seconds: dict[str, float] = {}
-    best: tuple[float, EagleHead] | None = None
+    fastest: EagleHead | None = None
     for fmt in formats:
         trial = head_in_format(head, fmt)
         cache = _KVCache()
@@ -753,15 +758,14 @@ def fastest_head_format(head: EagleHead, formats: Sequence[str], context: int = 
                 cache.crop(context)
             times.append(now(torch.device("cpu")) - started)
         seconds[fmt] = sorted(times[1:])[repeats // 2]
-        if best is None or seconds[fmt] < best[0]:
-            best = (seconds[fmt], trial)
+        if min(seconds, key=seconds.__getitem__) == fmt:
+            fastest = trial
         del trial
-    if best is None:
+    if fastest is None:
         raise ValueError("no head format to measure")
-    chosen = min(seconds, key=seconds.__getitem__)
     logger.info("EAGLE head steps: %s; running it in %s", ", ".join(
-        f"{fmt} {value * 1000:.1f} ms" for fmt, value in seconds.items()), chosen)
-    return best[1]
+        f"{fmt} {value * 1000:.1f} ms" for fmt, value in seconds.items()), min(seconds, key=seconds.__getitem__))
+    return fastest
 
 
 # ----------------------------------------------------------------------------------------------------------------
