@@ -34,6 +34,7 @@ from specdemo.methods.eagle import (
     EagleDrafter,
     EagleHead,
     EagleLoadError,
+    _best_path_first,
     default_hidden_layers,
     head_for,
     load_head,
@@ -704,3 +705,15 @@ def test_a_preset_with_a_published_head_passes_it_when_the_user_names_none():
     custom = RaceRequest("hello", pair="llama-3.1-8b", target="someone/other-model", mode="eagle")
     assert check_request(custom, SessionConfig()).spec.eagle_head is None  # the preset's head is for its target
     assert check_request(RaceRequest("hello", pair="qwen2.5-7b", mode="eagle"), SessionConfig()).spec.eagle_head is None
+
+
+def test_a_tree_is_verified_best_path_first():
+    """The proposed tree is in depth-first order with each node's children best first, so its best path comes
+    first (those nodes read a prefix of the verify pass's keys); every parent still comes before its children."""
+    ranked_parents = [-1, -1, 0, 0, 1, 2, 3, 2]  # best first: node i's parent ranks above it
+    order = _best_path_first(ranked_parents)
+    assert sorted(order) == list(range(len(ranked_parents)))
+    assert order == [0, 2, 5, 7, 3, 6, 1, 4]  # the best root, its best child, that one's best child, then the rest
+    place = {node: index for index, node in enumerate(order)}
+    assert all(parent < 0 or place[parent] < place[node] for node, parent in enumerate(ranked_parents))
+    assert _best_path_first([]) == [] and _best_path_first([-1, 0, 1]) == [0, 1, 2]

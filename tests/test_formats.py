@@ -163,7 +163,8 @@ def test_each_query_attends_as_in_a_one_token_pass(cached):
     key, value = (torch.randn(1, kv_heads, cached + count, head_dim, dtype=torch.bfloat16) for _ in range(2))
     chain = list(range(-1, count - 1))
     tree = [-1, 0, 0, 1, 1, 2, 3, 3, 4, 6, 7, 8]
-    for parents in (chain, tree):
+    best_path_first = [-1, 0, 1, 2, 1, 0, 5, -1, 7, 8, 3, 10]  # its first path reads a prefix of the keys
+    for parents in (chain, tree, best_path_first, tree):  # the tree again: after other masks of the same shape
         mask = tree_attention_mask(parents, cached, torch.bfloat16, torch.device("cpu"))
         out, _ = row_wise_attention(torch.nn.Module(), query, key, value, mask, scaling=0.25)
         for row in range(count):
@@ -171,7 +172,24 @@ def test_each_query_attends_as_in_a_one_token_pass(cached):
             alone, _ = row_wise_attention(
                 torch.nn.Module(), query[:, :, row : row + 1], key[:, :, seen], value[:, :, seen], None, scaling=0.25
             )
-            assert torch.equal(out[:, row], alone[:, 0]), (parents is tree, row)
+            assert torch.equal(out[:, row], alone[:, 0]), (parents, row)
+
+
+def test_a_pass_whose_mask_changed_in_place_reads_its_new_keys():
+    """Which keys each query reads is worked out once per pass and reused while the mask is the same: a mask
+    changed in place (same tensor, other values) is worked out again."""
+    torch.manual_seed(0)
+    count, cached = 6, 70
+    query = torch.randn(1, 4, count, 16)
+    key, value = (torch.randn(1, 2, cached + count, 16) for _ in range(2))
+    first, second = [-1, 0, 0, 1, 2, 3], [-1, -1, 1, 0, 3, 2]
+    expected, _ = row_wise_attention(torch.nn.Module(), query, key, value,
+                                     tree_attention_mask(second, cached, torch.float32, torch.device("cpu")))
+    mask = tree_attention_mask(first, cached, torch.float32, torch.device("cpu"))
+    before, _ = row_wise_attention(torch.nn.Module(), query, key, value, mask)
+    mask.copy_(tree_attention_mask(second, cached, torch.float32, torch.device("cpu")))
+    after, _ = row_wise_attention(torch.nn.Module(), query, key, value, mask)
+    assert torch.equal(after, expected) and not torch.equal(before, after)
 
 
 @FORMATS

@@ -37,6 +37,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -407,6 +408,74 @@ def _pad_keys(states: torch.Tensor, length: int) -> torch.Tensor:
     return torch.nn.functional.pad(states, (0, 0, 0, length - states.shape[2]))
 
 
+@dataclass(frozen=True)
+class _KeyGroup:
+    """Queries of a pass whose keys pad to the same length, read in one call: their rows, that padded length, and
+    for tree rows the keys each reads after the ``shared`` leading keys they all see (indices into those keys after
+    the shared ones, with one past the end for a masked zero key), None when each row reads a prefix of the keys."""
+
+    rows: torch.Tensor
+    length: int
+    tail: torch.Tensor | None
+    shared: int
+
+
+@dataclass(frozen=True)
+class _KeyPlan:
+    """How each query of a pass reads its keys: the same in every layer, so made once per pass. It depends on the
+    mask's values alone (a copy is kept), so a pass whose mask equals the last one's reuses it."""
+
+    mask: torch.Tensor | None
+    q_length: int
+    kv_length: int
+    counts: torch.Tensor
+    groups: tuple[_KeyGroup, ...]
+
+    def fits(self, mask: torch.Tensor | None, q_length: int, kv_length: int) -> bool:
+        if self.q_length != q_length or self.kv_length != kv_length or (mask is None) != (self.mask is None):
+            return False
+        return mask is None or (mask.shape == self.mask.shape and mask.dtype == self.mask.dtype
+                                and mask.device == self.mask.device and torch.equal(mask, self.mask))
+
+
+def _key_plan(mask: torch.Tensor | None, q_length: int, kv_length: int) -> _KeyPlan:
+    visible = _visible_keys(mask, q_length, kv_length)
+    counts = visible.sum(-1)
+    leading = visible.to(torch.int32).cumprod(-1).sum(-1)  # per query, how many keys it sees before a masked one
+    lengths = [_padded_length(int(count)) for count in counts]
+    groups = []
+    for length in sorted(set(lengths)):
+        same = [row for row, row_length in enumerate(lengths) if row_length == length]
+        prefix = [row for row in same if leading[row] == counts[row]]
+        if prefix:  # queries that read a prefix of the keys (a chain, a tree's first path) share them
+            groups.append(_KeyGroup(torch.tensor(prefix), length, None, 0))
+        if len(prefix) == len(same):
+            continue
+        # the other tree nodes: each reads the keys all of them see, then its own (ancestors, itself) in order
+        rows = torch.tensor([row for row in same if leading[row] != counts[row]])
+        shared = int(leading[rows].min())
+        index = torch.arange(shared, kv_length)
+        ranked = torch.where(visible[rows, shared:], index, index + kv_length).sort(-1).values[:, : length - shared]
+        tail = torch.full((len(rows), length - shared), kv_length)
+        tail[:, : ranked.shape[1]] = ranked
+        groups.append(_KeyGroup(rows, length, tail.clamp(max=kv_length) - shared, shared))
+    return _KeyPlan(None if mask is None else mask.clone(), q_length, kv_length, counts, tuple(groups))
+
+
+#: the last pass's plan: the layers of one pass share their mask, so all but the first reuse it
+_last_plan: _KeyPlan | None = None
+
+
+def _gather_keys(states: torch.Tensor, group: _KeyGroup) -> torch.Tensor:
+    """A tree group's keys (or values) [r, kv_heads, length, head_dim]: the shared ones, then each row's own."""
+    _, kv_heads, _, head_dim = states.shape
+    gathered = states.new_empty(len(group.rows), kv_heads, group.length, head_dim)
+    gathered[:, :, : group.shared] = states[0, :, : group.shared]
+    own = torch.cat([states[0, :, group.shared :], states.new_zeros(kv_heads, 1, head_dim)], dim=1)
+    gathered[:, :, group.shared :] = own[:, group.tail].transpose(0, 1)
+    return gathered
+
+
 def row_wise_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -423,31 +492,26 @@ def row_wise_attention(
     of queries). Each query sees its keys as a one-token pass at its position would (the same keys in the same
     order, gathered for tree masks), padded with masked zeros to a multiple of :data:`KEY_BUCKET`, so that a
     one-token pass and the rows of a verify pass make calls of the same shape; queries whose padded lengths agree
-    share one call. Long passes (prefills) and batches of several sequences go to the stock SDPA path.
+    share one call. Which keys each query reads is worked out once per pass, not per layer. Long passes (prefills)
+    and batches of several sequences go to the stock SDPA path.
     """
+    global _last_plan
     batch, _, q_length, _ = query.shape
     if q_length > ROW_WISE_MAX_QUERIES or batch != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     kv_length = key.shape[2]
-    visible = _visible_keys(attention_mask, q_length, kv_length)
-    counts = visible.sum(-1)
-    is_prefix = torch.equal(visible, torch.arange(kv_length) < counts[:, None])
-    lengths = [_padded_length(int(count)) for count in counts]
+    plan = _last_plan
+    if plan is None or not plan.fits(attention_mask, q_length, kv_length):
+        plan = _last_plan = _key_plan(attention_mask, q_length, kv_length)
     queries = query[0].transpose(0, 1)  # [q_length, heads, head_dim]
     out = torch.empty_like(queries)
-    for length in sorted(set(lengths)):
-        rows = torch.tensor([row for row, row_length in enumerate(lengths) if row_length == length])
-        if is_prefix:  # a chain: every query reads a prefix of the same keys
-            row_keys, row_values = _pad_keys(key, length), _pad_keys(value, length)
-        else:  # a tree: each query's keys (the cached ones and its ancestors) gathered into one-token order
-            order = torch.full((len(rows), length), kv_length)
-            for slot, row in enumerate(rows.tolist()):
-                seen = visible[row].nonzero().squeeze(-1)
-                order[slot, : len(seen)] = seen
-            row_keys, row_values = (
-                _pad_keys(states, kv_length + 1)[0][:, order].transpose(0, 1) for states in (key, value)
-            )
-        out[rows] = _attend_padded(module, queries[rows], row_keys, row_values, counts[rows], scaling)
+    for group in plan.groups:
+        if group.tail is None:
+            row_keys, row_values = _pad_keys(key, group.length), _pad_keys(value, group.length)
+        else:
+            row_keys, row_values = _gather_keys(key, group), _gather_keys(value, group)
+        out[group.rows] = _attend_padded(module, queries[group.rows], row_keys, row_values,
+                                         plan.counts[group.rows], scaling)
     return out.unsqueeze(0), None
 
 

@@ -772,6 +772,22 @@ def fastest_head_format(head: EagleHead, formats: Sequence[str], context: int = 
 # drafting
 
 
+def _best_path_first(parents: Sequence[int]) -> list[int]:
+    """The nodes of a tree given best first (``parents[i]`` < i, -1 for a root) in depth-first order, each node's
+    children best first: the best path comes first, so its nodes read a prefix of the verify pass's keys and share
+    them (the other nodes' keys are gathered, see :func:`~specdemo.backends.formats.row_wise_attention`)."""
+    children: dict[int, list[int]] = {-1: []}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    order: list[int] = []
+    stack = children[-1][::-1]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(children.get(node, [])[::-1])
+    return order
+
+
 class EagleDrafter:
     """Drafts with an EAGLE-3 head on the target's features: no second model.
 
@@ -886,7 +902,7 @@ class EagleDrafter:
         if self.tree:
             self._last_expected = sum(probs[:count])
             self._pace(count)
-        chosen = sorted(range(count), key=lambda rank: candidates[rank][0])  # in creation order: parents first
+        chosen = _best_path_first(parents[:count])
         place = {rank: index for index, rank in enumerate(chosen)}
         node_parents = [place[parents[rank]] if parents[rank] >= 0 else -1 for rank in chosen]
         return Proposal([candidates[rank][1] for rank in chosen], None, catch_up_seconds, node_parents)
