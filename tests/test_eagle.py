@@ -339,6 +339,8 @@ def test_beside_an_int8_or_w8a8_target_the_head_runs_in_the_format_that_drafts_f
     with caplog.at_level("INFO", logger="specdemo.methods.eagle"):
         chosen = eagle.fastest_head_format(fitted, eagle.CPU_HEAD_FORMATS, context=16, repeats=1)
     assert isinstance(chosen, EagleHead) and "running it in" in caplog.text
+    assert set(chosen.format_seconds) == set(eagle.CPU_HEAD_FORMATS)  # what the results file records
+    assert chosen.number_format == min(chosen.format_seconds, key=chosen.format_seconds.__getitem__)
     assert all(torch.equal(tensor, before[name]) for name, tensor in fitted.state_dict().items())  # untouched
     folder = tmp_path / "head"
     save_head(fitted, folder, torch.float32)
@@ -354,6 +356,7 @@ def test_beside_an_int8_or_w8a8_target_the_head_runs_in_the_format_that_drafts_f
         target = LoadedModel("tiny", model, None, CPU, activation_dtype(fmt), LoadSettings(dtype=fmt))
         head = head_for(target, str(folder))
         assert isinstance(head.fc, W8A8Linear) and isinstance(head.lm_head, W8A8Linear)
+        assert head.number_format == W8A8
         assert head.dtype == torch.float32 and measured[-1] == eagle.CPU_HEAD_FORMATS
         for tree, budget in ((True, 4), (False, 3), (True, "adaptive")):
             settings = GenerationSettings(max_new_tokens=16)
@@ -686,6 +689,11 @@ def test_the_bench_runs_the_eagle_modes(tmp_path, monkeypatch, capsys):
     assert {row["mode"] for row in report["results"]} == {"plain", "eagle", "eagle-chain"}
     assert all(row["identical"] for row in report["results"])
     assert "eagle-chain" in capsys.readouterr().out
+    for mode in ("eagle", "eagle-chain"):  # the head as it ran: float32 beside a float32 target, nothing timed
+        facts = report["methods"][mode]
+        assert facts["eagle_head"] == head and facts["head_format"] == "float32"
+        assert facts["head_step_seconds"] is None and facts["hidden_layers"] and facts["draft_vocab_size"] > 0
+    assert "plain" not in report["methods"]
     clear_model_cache()
     assert bench.main(common + ["--modes", "eagle"]) == 2
     assert "no EAGLE head ships for" in capsys.readouterr().err

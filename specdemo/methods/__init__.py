@@ -114,6 +114,12 @@ def check_pair(spec: SpecSettings, target: "LoadedModel", draft: "LoadedModel | 
         method.check(target, draft, spec.options())
 
 
+def describe_method(spec: SpecSettings, target: "LoadedModel") -> dict[str, Any] | None:
+    """What the mode records about its own parts beside ``target`` (None when it records nothing)."""
+    method = spec.method
+    return method.describe(target, spec.options()) if method.describe is not None else None
+
+
 def make_spec_policy(
     spec: SpecSettings, target: "LoadedModel", settings: "GenerationSettings", prior: "CostCurve | None" = None
 ) -> DraftLengthPolicy:

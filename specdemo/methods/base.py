@@ -137,6 +137,9 @@ class Method:
     #: whether the draft model runs as an int8 copy (None: the drafter decides), from the options and the pair
     draft_int8: "Callable[[Any, LoadedModel, LoadedModel | None], bool | None] | None" = None
     make_policy: "Callable[[PolicyContext], DraftLengthPolicy] | None" = None
+    #: what a results file records about the method's own parts beside this target (for example the number format
+    #: a head runs in), as JSON-ready values
+    describe: "Callable[[LoadedModel, Any], dict[str, Any]] | None" = None
 
 
 def heads_policy(context: PolicyContext, tree: bool, chain_cap: int | None = None) -> DraftLengthPolicy:

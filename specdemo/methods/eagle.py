@@ -320,6 +320,8 @@ class EagleHead(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size), persistent=False)
         self._inv_freq, self._rope_scaling = _inverse_frequencies(config)
+        #: seconds of a draft step in each format tried at load (see :func:`fastest_head_format`), else None
+        self.format_seconds: dict[str, float] | None = None
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -333,6 +335,13 @@ class EagleHead(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.norm.weight.device
+
+    @property
+    def number_format(self) -> str:
+        """The format the head runs in, as ``--dtype`` spells formats: "w8a8" or its dtype's name."""
+        if isinstance(self.fc, W8A8Linear):
+            return W8A8
+        return str(self.dtype).removeprefix("torch.")
 
     def features(self, target_states: torch.Tensor) -> torch.Tensor:
         """The feature g_t of each row of the target's concatenated states."""
@@ -763,6 +772,7 @@ def fastest_head_format(head: EagleHead, formats: Sequence[str], context: int = 
         del trial
     if fastest is None:
         raise ValueError("no head format to measure")
+    fastest.format_seconds = dict(seconds)
     logger.info("EAGLE head steps: %s; running it in %s", ", ".join(
         f"{fmt} {value * 1000:.1f} ms" for fmt, value in seconds.items()), min(seconds, key=seconds.__getitem__))
     return fastest
@@ -1077,6 +1087,19 @@ def _check(target: LoadedModel, draft: LoadedModel | None, options: Any) -> None
     head_for(target, options.eagle_head)  # none shipped for this target, or a misfit: one line, before any pass
 
 
+def _describe(target: LoadedModel, options: Any) -> dict[str, Any]:
+    """The head a results file records: the format it runs in (and the step times that chose it), its layers and
+    draft vocabulary."""
+    head = head_for(target, options.eagle_head)
+    return {
+        "eagle_head": options.eagle_head or "shipped",
+        "head_format": head.number_format,
+        "head_step_seconds": head.format_seconds,
+        "hidden_layers": list(head.hidden_layers),
+        "draft_vocab_size": head.config.draft_vocab_size,
+    }
+
+
 def _build(context: BuildContext, tree: bool) -> EagleDrafter:
     target, settings = context.target, context.settings
     tree = tree and settings.sampling.greedy  # sampling is exact on a chain only
@@ -1107,6 +1130,7 @@ METHODS = (
         proposes_trees=True,
         needs_hidden_states=True,
         check=_check,
+        describe=_describe,
         make_policy=lambda context: _policy(context, tree=True),
     ),
     Method(
@@ -1117,6 +1141,7 @@ METHODS = (
         drafts_for_free=True,
         needs_hidden_states=True,
         check=_check,
+        describe=_describe,
         make_policy=lambda context: _policy(context, tree=False),
     ),
 )
