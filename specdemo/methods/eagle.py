@@ -774,7 +774,7 @@ def fastest_head_format(head: EagleHead, formats: Sequence[str], context: int = 
         raise ValueError("no head format to measure")
     fastest.format_seconds = dict(seconds)
     logger.info("EAGLE head steps: %s; running it in %s", ", ".join(
-        f"{fmt} {value * 1000:.1f} ms" for fmt, value in seconds.items()), min(seconds, key=seconds.__getitem__))
+        f"{fmt} {value * 1000:.1f} ms" for fmt, value in seconds.items()), fastest.number_format)
     return fastest
 
 
