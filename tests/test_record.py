@@ -139,6 +139,12 @@ def test_a_log_rebuilds_every_live_figure_of_every_mode(mode, heads) -> None:
         assert [(t.id, t.kind) for t in rebuilt_pane.shown] == [(t.id, t.kind) for t in live_pane.shown]
     assert rebuilt.comparison == live.comparison
     assert rebuilt.runs() == live.runs()
+    settings = live.log().settings  # what the mode records about its parts travels with the log, as the bench's
+    assert RaceLog.from_json(json.loads(racelog.dumps(live.log()))).settings == settings
+    if mode.startswith("eagle"):
+        assert settings.methods is not None and settings.methods[mode]["head_format"] == "float32"
+    else:
+        assert settings.methods is None
     if mode in ("medusa", "eagle"):  # trees: the per-position counts go by depth, not by node count
         drafted = [r for r in live.spec.rounds if r.drafted]
         depths = [r.drafted if r.depth is None else r.depth for r in drafted]  # None: this round's tree was a chain
@@ -167,6 +173,8 @@ def test_a_race_stopped_by_the_time_budget_is_logged_as_such() -> None:
         (lambda d: d.update(format="something-else"), "is not a specdemo race log"),
         (lambda d: d["sides"].pop("spec"), "damaged race log (missing 'spec')"),
         (lambda d: d["sides"]["plain"][0].update(tokens=[[1, "a"]]), "damaged race log"),
+        (lambda d: d["settings"].update(methods={"eagle": "w8a8"}), "settings.methods.'eagle' must be an object"),
+        (lambda d: d["settings"].update(methods={"eagle": {"x": "y" * 5000}}), "settings.methods is over 4096"),
     ],
 )
 def test_older_or_foreign_files_are_refused(log: RaceLog, tmp_path: Path, change, message) -> None:

@@ -417,6 +417,7 @@ def test_the_cost_curve_is_measured_once_and_charted(tmp_path, monkeypatch: pyte
     assert frame["cost (one-token passes)"][0] == 1.0 and set(frame["speculation"]) <= set(charts.COST_COLOURS)
     result = outputs[-1][app_handlers.OUTPUTS.index("result")]
     assert result["calibration"]["lengths"] == [1, 2, 4, 8, 16] and result["calibration"]["draft"] == "tiny:draft"
+    assert result["methods"] is None  # draft mode records nothing about its parts (an EAGLE race: its head)
     assert len(list(tmp_path.rglob("*.json"))) == 1  # cached: the next race on this pair measures nothing
     list(handlers.race(PROMPT, "tiny", "", "", "draft", "3", 12, 0.0, 1.0, 0, "float32", "none", True))
     assert handlers.racer.prepare(RaceRequest(PROMPT, pair="tiny")).calibration.from_cache

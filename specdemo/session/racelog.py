@@ -54,6 +54,8 @@ MAX_PIECE_CHARS = 1024
 MAX_TEXT_CHARS = 1000
 MAX_PROMPT_CHARS = 2_000_000
 MAX_LOG_BYTES = 64 * 1024 * 1024
+#: what the modes record about their parts (``settings.methods``), as JSON
+MAX_METHODS_CHARS = 4096
 #: the kinds a logged token may have
 KINDS = (PLAIN, ACCEPTED, CORRECTED, BONUS, REJECTED)
 
@@ -126,6 +128,9 @@ class RaceSettings:
     pair: str | None = None  # the preset raced (None: custom models)
     method_label: str = ""  # what drafts, in words (see specdemo.methods)
     max_num_draft_tokens: int | None = None  # the most an adaptive policy drafts in a round (None: not recorded)
+    #: what the mode records about its own parts, by mode, as the bench's ``methods`` (for example the EAGLE
+    #: head's format); None: the mode records nothing, or the log predates the field
+    methods: dict[str, dict[str, Any]] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -220,6 +225,16 @@ def _token_event(row: Any, index: int, name: str) -> TokenEvent:
     )
 
 
+def _methods(value: Any, name: str) -> dict[str, dict[str, Any]]:
+    """What modes record about their parts: an object of objects, at most :data:`MAX_METHODS_CHARS` as JSON."""
+    methods = _object(value, name)
+    for mode, facts in methods.items():
+        _object(facts, f"{name}.{_shown(mode)}")
+    if len(json.dumps(methods)) > MAX_METHODS_CHARS:
+        raise ValueError(f"{name} is over {MAX_METHODS_CHARS} characters as JSON")
+    return {mode: dict(facts) for mode, facts in methods.items()}
+
+
 def _settings(raw: Any) -> RaceSettings:
     """The race's settings, each checked for type and range; fields this version does not know are ignored."""
     raw = dict(_object(raw, "settings"))
@@ -246,6 +261,7 @@ def _settings(raw: Any) -> RaceSettings:
         "top_p": lambda v, n: _real(v, n, 0.0, 1.0),
         "seed": lambda v, n: _maybe(v, _whole, n, -(2**63), 2**64 - 1),
         "chat": flag,
+        "methods": lambda v, n: _maybe(v, _methods, n),
     }
     values = {f.name: checks[f.name](raw[f.name], f"settings.{f.name}") for f in fields(RaceSettings) if f.name in raw}
     try:

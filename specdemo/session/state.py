@@ -184,6 +184,7 @@ def result_dict(
                 "format_reason": format_reason,
                 "device": settings.device,
                 "prompt_tokens": settings.prompt_tokens,
+                "methods": settings.methods,
                 "calibration": calibration.as_dict() if calibration is not None else None,
                 "log": state.log().to_json(),
             }
