@@ -698,6 +698,29 @@ def test_the_bench_runs_the_eagle_modes(tmp_path, monkeypatch, capsys):
     assert bench.main(common + ["--modes", "eagle"]) == 2
     assert "no EAGLE head ships for" in capsys.readouterr().err
 
+    # the head scored on the run's own plain output, per category, as the trainer scores held-out text
+    from specdemo.training import head_accuracy
+
+    scored = tmp_path / "scored.json"
+    assert head_accuracy.main([str(out), "--eagle-head", head, "--json", str(scored)]) == 0
+    printed = capsys.readouterr().out
+    assert "coding" in printed and "top-1 by draft step" in printed
+    figures = json.loads(scored.read_text())
+    assert figures["head_format"] == "float32" and figures["dtype"] == "float32"
+    assert set(figures["by_category"]) == {"coding"} and figures["all"]["answers"] == 1
+    assert len(figures["all"]["top1_per_step"]) == head_accuracy.STEPS
+    assert figures["all"]["positions"] > 0 and 0.0 <= figures["all"]["inside_draft_vocab"] <= 1.0
+    assert figures["by_category"]["coding"] == figures["all"]  # one category: the same figures
+    # files that are not results, or results without a plain run: one line, exit 2
+    for text, message in (("{", "cannot read"), ("[]", "not a bench results file"),
+                          (json.dumps({"config": {}, "results": []}), "no plain run")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        assert head_accuracy.main([str(bad)]) == 2
+        assert message in capsys.readouterr().err
+    assert head_accuracy.main([str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
 
 def test_a_preset_with_a_published_head_passes_it_when_the_user_names_none():
     from specdemo.session.config import SessionConfig

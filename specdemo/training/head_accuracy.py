@@ -1,0 +1,162 @@
+"""How often an EAGLE-3 head drafts right on a bench run's own outputs:
+``python -m specdemo.training.head_accuracy RESULTS.json``.
+
+A bench results file (``python -m specdemo.bench --json``) holds every prompt's token ids and plain decoding's
+output (``prompt_ids``, ``new_token_ids``). The target runs once over each with teacher forcing, in the format the
+run used (or ``--dtype``), and the head (the shipped one, or ``--eagle-head``, in the format a race would run it
+in) is scored as the trainer scores its held-out text (:func:`~specdemo.training.eagle.evaluate`): top-1 per draft
+step against the target's greedy token, and the mean accepted drafts of greedy chains; per category and over all,
+with the share of the target's tokens inside the head's draft vocabulary. Set beside the trainer's held-out figures
+(``training.json``), these say whether a head falls short on a benchmark because of what it learned from. Nothing
+here trains, and nothing is written but ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core.errors import InputError, first_line
+from ..core.files import atomic_path
+from .eagle import Split, evaluate
+
+logger = logging.getLogger(__name__)
+
+#: draft steps scored (the shipped head is trained four deep)
+STEPS = 4
+#: the most bytes of a results file read
+MAX_RESULTS_BYTES = 256 * 1024 * 1024
+
+
+def plain_runs(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The results file's ``config`` and its plain runs that carry their token ids (InputError, one line, else)."""
+    try:
+        if path.stat().st_size > MAX_RESULTS_BYTES:
+            raise InputError(f"{path} is over {MAX_RESULTS_BYTES // 2**20} MiB: not a bench results file")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InputError(f"cannot read {path}: {first_line(error)}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list) or not isinstance(
+            data.get("config"), dict):
+        raise InputError(f"{path} is not a bench results file (python -m specdemo.bench --json)")
+    runs = []
+    for row in data["results"]:
+        if not isinstance(row, dict) or row.get("mode") != "plain":
+            continue
+        prompt, answer = row.get("prompt_ids"), row.get("new_token_ids")
+        if not (isinstance(prompt, list) and isinstance(answer, list) and prompt and answer
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt + answer)):
+            continue
+        runs.append({"id": str(row.get("id", "")), "category": str(row.get("category") or "none"),
+                     "prompt_ids": prompt, "new_token_ids": answer})
+    if not runs:
+        raise InputError(f"{path} holds no plain run with its token ids: run the bench with plain among --modes")
+    return data["config"], runs
+
+
+@torch.inference_mode()
+def target_split(model, runs: list[dict[str, Any]], layers: tuple[int, ...], vocab_size: int) -> Split:
+    """The target's states of ``layers`` and its greedy tokens over each run's prompt and answer, as the trainer
+    caches them."""
+    device = next(model.parameters()).device
+    parts = []
+    for run in runs:
+        ids = run["prompt_ids"] + run["new_token_ids"]
+        if max(ids) >= vocab_size or min(ids) < 0:
+            raise InputError(f"run {run['id']!r} holds token ids outside the target's {vocab_size}: another target's")
+        inputs = torch.tensor([ids], device=device)
+        start = len(run["prompt_ids"]) - 1  # this position predicts the answer's first token
+        out = model(input_ids=inputs, output_hidden_states=True, logits_to_keep=len(ids) - start)
+        states = torch.cat([out.hidden_states[layer][0] for layer in layers], dim=-1)
+        greedy = torch.full((len(ids),), -1, dtype=torch.int32)
+        greedy[start:] = out.logits[0].argmax(-1).cpu().to(torch.int32)
+        parts.append(Split(inputs[0].cpu().to(torch.int32), greedy, states.to(torch.bfloat16).cpu(),
+                           torch.tensor([len(ids)]), torch.tensor([len(run["prompt_ids"])])))
+    return Split.join(parts)
+
+
+def subset(split: Split, members: list[int]) -> Split:
+    offsets = split.offsets.tolist()
+    pieces = []
+    for s in members:
+        rows = slice(offsets[s], offsets[s] + int(split.lengths[s]))
+        pieces.append(Split(split.ids[rows], split.greedy[rows], split.states[rows], split.lengths[s : s + 1],
+                            split.answer_starts[s : s + 1]))
+    return Split.join(pieces)
+
+
+def head_accuracy(results: Path, eagle_head: str | None = None, dtype: str | None = None) -> dict[str, Any]:
+    """The head's figures on the results file's plain outputs: ``{"target", "dtype", "head_format",
+    "by_category": {category: figures}, "all": figures}``, figures as :func:`~specdemo.training.eagle.evaluate`
+    gives them plus ``inside_draft_vocab`` (the share of answer tokens the head can draft at all)."""
+    from ..backends.loading import LoadSettings, load_model
+    from ..methods.eagle import head_for
+
+    config, runs = plain_runs(results)
+    target = str(config.get("target") or "")
+    dtype = dtype or str(config.get("dtype") or "auto")
+    if not target:
+        raise InputError(f"{results} does not name its target")
+    loaded = load_model(target, LoadSettings(dtype=dtype, device="cpu"), progress=False)
+    head = head_for(loaded, eagle_head)
+    vocab_size = loaded.model.get_input_embeddings().weight.shape[0]
+    logger.info("target states over %d answers (%s, %s)", len(runs), target, loaded.format)
+    split = target_split(loaded.model, runs, head.hidden_layers, vocab_size)
+    embed = loaded.model.get_input_embeddings().weight.to(head.dtype)
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[head.draft_ids] = True
+
+    def figures(part: Split, members: list[int]) -> dict[str, Any]:
+        scored = evaluate(head, embed, part, STEPS, batch_tokens=2048)
+        answers = torch.cat([torch.tensor(runs[s]["new_token_ids"]) for s in members])
+        return {"answers": len(members), **scored, "inside_draft_vocab": round(float(inside[answers].float().mean()), 4)}
+
+    categories: dict[str, list[int]] = {}
+    for index, run in enumerate(runs):
+        categories.setdefault(run["category"], []).append(index)
+    by_category = {name: figures(subset(split, members), members) for name, members in categories.items()}
+    return {"results": str(results), "target": target, "dtype": loaded.format, "eagle_head": eagle_head or "shipped",
+            "head_format": head.number_format, "by_category": by_category,
+            "all": figures(split, list(range(len(runs))))}
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [f"{'category':22s} {'answers':>7s} {'tokens':>7s} {'in vocab':>8s}  top-1 by draft step   "
+             f"accepted (chain of {STEPS})"]
+    for name, row in [*report["by_category"].items(), ("all", report["all"])]:
+        steps = " ".join(f"{value:.2f}" for value in row["top1_per_step"])
+        lines.append(f"{name:22s} {row['answers']:7d} {row['positions']:7d} {row['inside_draft_vocab']:8.2f}  "
+                     f"{steps:20s}  {row['mean_accepted_drafts'][-1]:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specdemo.training.head_accuracy",
+                                     description=__doc__.split("\n")[0].rstrip(":"))
+    parser.add_argument("results", type=Path, help="a bench results file with a plain run (--json)")
+    parser.add_argument("--eagle-head", default=None, help="a head folder or Hub id (default: the shipped head)")
+    parser.add_argument("--dtype", default=None, help="the target's format (default: the one the run used)")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        report = head_accuracy(args.results, args.eagle_head, args.dtype)
+    except InputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"{report['target']} ({report['dtype']}), EAGLE head {report['eagle_head']} in {report['head_format']}")
+    print(table(report))
+    if args.json is not None:
+        with atomic_path(args.json) as temporary:
+            temporary.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
