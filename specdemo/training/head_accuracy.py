@@ -127,11 +127,11 @@ def head_accuracy(results: Path, eagle_head: str | None = None, dtype: str | Non
 
 
 def table(report: dict[str, Any]) -> str:
-    lines = [f"{'category':22s} {'answers':>7s} {'tokens':>7s} {'in vocab':>8s}  top-1 by draft step   "
+    lines = [f"{'category':22s} {'answers':>7s} {'positions':>9s} {'in vocab':>8s}  top-1 by draft step   "
              f"accepted (chain of {STEPS})"]
     for name, row in [*report["by_category"].items(), ("all", report["all"])]:
         steps = " ".join(f"{value:.2f}" for value in row["top1_per_step"])
-        lines.append(f"{name:22s} {row['answers']:7d} {row['positions']:7d} {row['inside_draft_vocab']:8.2f}  "
+        lines.append(f"{name:22s} {row['answers']:7d} {row['positions']:9d} {row['inside_draft_vocab']:8.2f}  "
                      f"{steps:20s}  {row['mean_accepted_drafts'][-1]:.2f}")
     return "\n".join(lines)
 
