@@ -713,7 +713,9 @@ def test_the_bench_runs_the_eagle_modes(tmp_path, monkeypatch, capsys):
     assert figures["by_category"]["coding"] == figures["all"]  # one category: the same figures
     # files that are not results, or results without a plain run: one line, exit 2
     for text, message in (("{", "cannot read"), ("[]", "not a bench results file"),
-                          (json.dumps({"config": {}, "results": []}), "no plain run")):
+                          (json.dumps({"config": {}, "results": []}), "no plain run"),
+                          (json.dumps({"config": {"target": "offline:nope"}, "results": [
+                              {"mode": "plain", "prompt_ids": [1, 2], "new_token_ids": [3]}]}), "unknown offline model")):
         bad = tmp_path / "bad.json"
         bad.write_text(text)
         assert head_accuracy.main([str(bad)]) == 2

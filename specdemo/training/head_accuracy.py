@@ -22,8 +22,11 @@ from typing import Any
 
 import torch
 
+from ..backends.loading import LoadSettings, ModelLoadError, load_model
+from ..backends.offline import OfflinePackError
 from ..core.errors import InputError, first_line
-from ..core.files import atomic_path
+from ..core.files import write_json_atomic
+from ..methods.eagle import head_for
 from .eagle import Split, evaluate
 
 logger = logging.getLogger(__name__)
@@ -95,9 +98,6 @@ def head_accuracy(results: Path, eagle_head: str | None = None, dtype: str | Non
     """The head's figures on the results file's plain outputs: ``{"target", "dtype", "head_format",
     "by_category": {category: figures}, "all": figures}``, figures as :func:`~specdemo.training.eagle.evaluate`
     gives them plus ``inside_draft_vocab`` (the share of answer tokens the head can draft at all)."""
-    from ..backends.loading import LoadSettings, load_model
-    from ..methods.eagle import head_for
-
     config, runs = plain_runs(results)
     target = str(config.get("target") or "")
     dtype = dtype or str(config.get("dtype") or "auto")
@@ -147,14 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         report = head_accuracy(args.results, args.eagle_head, args.dtype)
-    except InputError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (InputError, ModelLoadError, OfflinePackError, ValueError) as error:
+        print(f"error: {first_line(error)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing written", file=sys.stderr)
+        return 130
     print(f"{report['target']} ({report['dtype']}), EAGLE head {report['eagle_head']} in {report['head_format']}")
     print(table(report))
     if args.json is not None:
-        with atomic_path(args.json) as temporary:
-            temporary.write_text(json.dumps(report, indent=1))
+        write_json_atomic(args.json, report, indent=1)
     return 0
 
 
