@@ -42,7 +42,7 @@ from .core.files import write_json_atomic
 from .core.loop import collect
 from .core.metrics import compare, decode_rate, decode_speedup, run_metrics
 from .core.settings import GenerationSettings, SamplingSettings
-from .methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, check_pair, describe_method
+from .methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, check_pair, describe_methods
 from .methods.ngram import NGRAM_PREFERENCES
 from .session.calibration import FormatChoice, choose_format, refresh_if_stale
 from .session.config import WARMUP_TOKENS
@@ -678,8 +678,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         report["calibration"] = curve.as_dict() if curve is not None else None
         report["format"] = choice.as_dict()
-        described = {mode: describe_method(replace(spec, mode=mode), target) for mode in modes if mode in METHODS}
-        report["methods"] = {mode: facts for mode, facts in described.items() if facts is not None}
+        report["methods"] = describe_methods(spec, target, modes)
         report["calibration_stale"] = refresh_if_stale(curve, plain_step_seconds(report["results"]), choice)
         if report["calibration_stale"]:
             print(f"warning: the cached cost curve is stale ({report['calibration_stale']}); it is measured again "

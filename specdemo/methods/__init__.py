@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..core.errors import InputError
 from ..core.protocol import Drafter, DraftLengthPolicy
@@ -114,10 +114,15 @@ def check_pair(spec: SpecSettings, target: "LoadedModel", draft: "LoadedModel | 
         method.check(target, draft, spec.options())
 
 
-def describe_method(spec: SpecSettings, target: "LoadedModel") -> dict[str, Any] | None:
-    """What the mode records about its own parts beside ``target`` (None when it records nothing)."""
-    method = spec.method
-    return method.describe(target, spec.options()) if method.describe is not None else None
+def describe_methods(spec: SpecSettings, target: "LoadedModel", modes: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """What each of ``modes`` records about its own parts beside ``target`` (with ``spec``'s options), by mode; the
+    modes that record nothing, and those that are not methods here (plain, transformers' own), left out."""
+    described = {}
+    for mode in modes:
+        method = METHODS.get(mode)
+        if method is not None and method.describe is not None:
+            described[mode] = method.describe(target, replace(spec, mode=mode).options())
+    return described
 
 
 def make_spec_policy(

@@ -38,7 +38,7 @@ from ..core.economics import CostCurve
 from ..core.errors import InputError, first_line
 from ..core.loop import collect
 from ..core.settings import GenerationSettings, SamplingSettings
-from ..methods import METHODS, SpecSettings, check_pair, describe_method
+from ..methods import SpecSettings, check_pair, describe_methods
 from .calibration import AUTO_FORMATS, FormatChoice, calibrate, choose_format, measures_formats, refresh_if_stale
 from .config import WARMUP_TOKENS, SessionConfig
 from .pipeline import encode_prompt, plain_events, spec_events
@@ -190,16 +190,8 @@ def race_settings(prepared: Prepared) -> RaceSettings:
         prompt_tokens=len(prepared.prompt_ids),
         chat=bool(prepared.request.chat),
         pair=prepared.pair,
-        methods=_methods(prepared),
+        methods=describe_methods(prepared.spec, prepared.target, [prepared.spec.mode]) or None,
     )
-
-
-def _methods(prepared: Prepared) -> dict[str, dict[str, Any]] | None:
-    """What the raced mode records about its own parts, by mode, as the bench's ``methods`` (None: nothing)."""
-    if prepared.spec.mode not in METHODS:  # transformers' own assisted generation
-        return None
-    facts = describe_method(prepared.spec, prepared.target)
-    return {prepared.spec.mode: facts} if facts is not None else None
 
 
 # ----------------------------------------------------------------------------------------------------------------

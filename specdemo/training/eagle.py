@@ -188,21 +188,27 @@ def draft_vocabulary(labels: torch.Tensor, size: int, vocab_size: int, eos_ids: 
 # cache of the target's states
 
 
+@torch.inference_mode()
+def sequence_states(model, ids: list[int], answer_start: int, layers: tuple[int, ...]) -> dict:
+    """One teacher-forced pass of the target over ``ids``: the ids (int32), the states of ``layers`` at every
+    position (bfloat16) and the target's greedy next token from the answer's first prediction on (-1 before),
+    on the CPU, with ``answer_start``."""
+    inputs = torch.tensor([ids], device=next(model.parameters()).device)
+    start = answer_start - 1  # this position predicts the answer's first token
+    out = model(input_ids=inputs, output_hidden_states=True, logits_to_keep=inputs.shape[1] - start)
+    states = torch.cat([out.hidden_states[layer][0] for layer in layers], dim=-1)
+    greedy = torch.full((inputs.shape[1],), -1, dtype=torch.int32)
+    greedy[start:] = out.logits[0].argmax(-1).cpu().to(torch.int32)
+    return {"ids": inputs[0].cpu().to(torch.int32), "states": states.to(torch.bfloat16).cpu(), "greedy": greedy,
+            "answer_start": answer_start}
+
+
 def cache_split(model, sequences: list[dict], folder: Path, name: str, layers: tuple[int, ...]) -> None:
-    """Run the target over ``sequences`` with teacher forcing and store, per sequence, its token ids, the states
-    of ``layers`` at every position (bfloat16) and its greedy next token from the answer's first prediction on
-    (-1 before), in shards (existing shards kept)."""
-    device = next(model.parameters()).device
+    """Run the target over ``sequences`` with teacher forcing and store, per sequence, :func:`sequence_states`, in
+    shards (existing shards kept)."""
 
     def per_sequence(sequence: dict) -> dict:
-        ids = torch.tensor([sequence["ids"]], device=device)
-        start = sequence["answer_start"] - 1  # this position predicts the answer's first token
-        out = model(input_ids=ids, output_hidden_states=True, logits_to_keep=ids.shape[1] - start)
-        states = torch.cat([out.hidden_states[layer][0] for layer in layers], dim=-1)
-        greedy = torch.full((ids.shape[1],), -1, dtype=torch.int32)
-        greedy[start:] = out.logits[0].argmax(-1).cpu().to(torch.int32)
-        return {"ids": ids[0].cpu().to(torch.int32), "states": states.to(torch.bfloat16).cpu(), "greedy": greedy,
-                "answer_start": sequence["answer_start"]}
+        return sequence_states(model, sequence["ids"], sequence["answer_start"], layers)
 
     def combine(rows: list[dict]) -> dict:
         return {"ids": torch.cat([r["ids"] for r in rows]), "states": torch.cat([r["states"] for r in rows]),

@@ -27,7 +27,7 @@ from ..backends.offline import OfflinePackError
 from ..core.errors import InputError, first_line
 from ..core.files import write_json_atomic
 from ..methods.eagle import head_for
-from .eagle import Split, evaluate
+from .eagle import Split, evaluate, sequence_states
 
 logger = logging.getLogger(__name__)
 
@@ -63,35 +63,18 @@ def plain_runs(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return data["config"], runs
 
 
-@torch.inference_mode()
-def target_split(model, runs: list[dict[str, Any]], layers: tuple[int, ...], vocab_size: int) -> Split:
-    """The target's states of ``layers`` and its greedy tokens over each run's prompt and answer, as the trainer
-    caches them."""
-    device = next(model.parameters()).device
-    parts = []
+def target_splits(model, runs: list[dict[str, Any]], layers: tuple[int, ...], vocab_size: int) -> list[Split]:
+    """Each run's prompt and answer with the target's states of ``layers`` and its greedy tokens, as the trainer
+    caches them (:func:`~specdemo.training.eagle.sequence_states`)."""
+    splits = []
     for run in runs:
         ids = run["prompt_ids"] + run["new_token_ids"]
         if max(ids) >= vocab_size or min(ids) < 0:
             raise InputError(f"run {run['id']!r} holds token ids outside the target's {vocab_size}: another target's")
-        inputs = torch.tensor([ids], device=device)
-        start = len(run["prompt_ids"]) - 1  # this position predicts the answer's first token
-        out = model(input_ids=inputs, output_hidden_states=True, logits_to_keep=len(ids) - start)
-        states = torch.cat([out.hidden_states[layer][0] for layer in layers], dim=-1)
-        greedy = torch.full((len(ids),), -1, dtype=torch.int32)
-        greedy[start:] = out.logits[0].argmax(-1).cpu().to(torch.int32)
-        parts.append(Split(inputs[0].cpu().to(torch.int32), greedy, states.to(torch.bfloat16).cpu(),
-                           torch.tensor([len(ids)]), torch.tensor([len(run["prompt_ids"])])))
-    return Split.join(parts)
-
-
-def subset(split: Split, members: list[int]) -> Split:
-    offsets = split.offsets.tolist()
-    pieces = []
-    for s in members:
-        rows = slice(offsets[s], offsets[s] + int(split.lengths[s]))
-        pieces.append(Split(split.ids[rows], split.greedy[rows], split.states[rows], split.lengths[s : s + 1],
-                            split.answer_starts[s : s + 1]))
-    return Split.join(pieces)
+        cached = sequence_states(model, ids, len(run["prompt_ids"]), layers)
+        splits.append(Split(cached["ids"], cached["greedy"], cached["states"], torch.tensor([len(ids)]),
+                            torch.tensor([cached["answer_start"]])))
+    return splits
 
 
 def head_accuracy(results: Path, eagle_head: str | None = None, dtype: str | None = None) -> dict[str, Any]:
@@ -107,23 +90,23 @@ def head_accuracy(results: Path, eagle_head: str | None = None, dtype: str | Non
     head = head_for(loaded, eagle_head)
     vocab_size = loaded.model.get_input_embeddings().weight.shape[0]
     logger.info("target states over %d answers (%s, %s)", len(runs), target, loaded.format)
-    split = target_split(loaded.model, runs, head.hidden_layers, vocab_size)
+    splits = target_splits(loaded.model, runs, head.hidden_layers, vocab_size)
     embed = loaded.model.get_input_embeddings().weight.to(head.dtype)
     inside = torch.zeros(vocab_size, dtype=torch.bool)
     inside[head.draft_ids] = True
 
-    def figures(part: Split, members: list[int]) -> dict[str, Any]:
-        scored = evaluate(head, embed, part, STEPS, batch_tokens=2048)
+    def figures(members: list[int]) -> dict[str, Any]:
+        scored = evaluate(head, embed, Split.join([splits[s] for s in members]), STEPS, batch_tokens=2048)
         answers = torch.cat([torch.tensor(runs[s]["new_token_ids"]) for s in members])
         return {"answers": len(members), **scored, "inside_draft_vocab": round(float(inside[answers].float().mean()), 4)}
 
     categories: dict[str, list[int]] = {}
     for index, run in enumerate(runs):
         categories.setdefault(run["category"], []).append(index)
-    by_category = {name: figures(subset(split, members), members) for name, members in categories.items()}
+    by_category = {name: figures(members) for name, members in categories.items()}
     return {"results": str(results), "target": target, "dtype": loaded.format, "eagle_head": eagle_head or "shipped",
             "head_format": head.number_format, "by_category": by_category,
-            "all": figures(split, list(range(len(runs))))}
+            "all": figures(list(range(len(runs))))}
 
 
 def table(report: dict[str, Any]) -> str:
