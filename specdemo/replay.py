@@ -40,6 +40,7 @@ from .backends.loading import ModelLoadError
 from .backends.offline import OfflinePackError
 from .core.clock import SimulatedClock
 from .core.economics import CostCurve
+from .core.errors import InputError
 from .core.loop import collect, speculative_decode
 from .core.protocol import Drafter, DraftLengthPolicy, TargetPass
 from .core.settings import GenerationSettings
@@ -47,6 +48,7 @@ from .core.tree import tree_depths
 from .methods import SpecSettings
 from .methods.draft_length import FixedDraftLength, make_policy
 from .methods.ngram import NGRAM_PREFERENCES, NgramDrafter
+from .session.results import read_plain_runs
 
 logger = logging.getLogger(__name__)
 
@@ -191,24 +193,18 @@ def tokens_per_pass(
 
 def load_items(path: Path) -> list[ReplayItem]:
     """The plain results of a bench JSON, with their prompt ids (re-encoded with the run's target if absent)."""
-    try:
-        report = json.loads(Path(path).read_text())
-        plain = [r for r in report["results"] if r["mode"] == "plain"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{path}: not a readable bench JSON ({error})") from None
-    if not plain:
-        raise ValueError(f"{path}: has no plain results to replay (run the bench with the plain mode)")
-    if any("prompt_ids" not in r for r in plain):
-        prompt_ids = _encode_again(report["config"], [r["id"] for r in plain])
+    config, runs = read_plain_runs(path)
+    if any(run.prompt_ids is None for run in runs):
+        prompt_ids = _encode_again(config, [run.id for run in runs])
     else:
-        prompt_ids = {r["id"]: r["prompt_ids"] for r in plain}
+        prompt_ids = {run.id: run.prompt_ids for run in runs}
     items = []
-    for r in plain:
-        ids = prompt_ids[r["id"]]
-        if len(ids) != r["prompt_tokens"]:
-            raise ValueError(f"{path}: prompt {r['id']} encodes to {len(ids)} tokens, the run had {r['prompt_tokens']}")
-        items.append(ReplayItem(r["id"], r["category"], list(ids), list(r["new_token_ids"]),
-                                r.get("seconds"), r.get("prefill_seconds")))
+    for run in runs:
+        ids = prompt_ids[run.id]
+        if run.prompt_tokens is not None and len(ids) != run.prompt_tokens:
+            raise InputError(f"{path}: prompt {run.id} encodes to {len(ids)} tokens, the run had {run.prompt_tokens}")
+        items.append(ReplayItem(run.id, run.category, list(ids), list(run.new_token_ids), run.seconds,
+                                run.prefill_seconds))
     return items
 
 
@@ -218,12 +214,15 @@ def _encode_again(config: dict, ids: list[str]) -> dict[str, list[int]]:
     from .session.pipeline import encode_prompt
     from .session.prompts import load_prompts
 
-    logger.info("this JSON has no prompt ids: encoding the prompts again with %s", config["target"])
-    prompts = {p.id: p for p in load_prompts(None if config["prompts"] == "bundled" else config["prompts"])}
+    source, prompt_file = config.get("target"), config.get("prompts")
+    if not isinstance(source, str) or not isinstance(prompt_file, str):
+        raise InputError("this JSON has no prompt ids and names no target and prompt file to encode them again")
+    logger.info("this JSON has no prompt ids: encoding the prompts again with %s", source)
+    prompts = {p.id: p for p in load_prompts(None if prompt_file == "bundled" else prompt_file)}
     missing = [i for i in ids if i not in prompts]
     if missing:
-        raise ValueError(f"prompts {', '.join(missing)} are not in {config['prompts']}")
-    target = load_model(config["target"], LoadSettings(device="cpu"), progress=False)
+        raise InputError(f"prompts {', '.join(missing)} are not in {prompt_file}")
+    target = load_model(source, LoadSettings(device="cpu"), progress=False)
     return {i: encode_prompt(target, prompts[i].text, chat=config.get("chat", True)) for i in ids}
 
 

@@ -101,7 +101,14 @@ def test_replay_cli_on_a_bench_json(tmp_path: Path, capsys):
 
 @pytest.mark.parametrize(
     "content,message",
-    [("not json", "not a readable bench JSON"), (json.dumps({"results": [], "config": {}}), "no plain results")],
+    [("not json", "cannot read"), ("[]", "not a bench results file"),
+     (json.dumps({"results": [], "config": {}}), "holds no plain run"),
+     (json.dumps({"config": {}, "results": [{"mode": "plain", "id": "a", "new_token_ids": [1, True]}]}),
+      "plain run 'a' holds no token ids"),
+     (json.dumps({"config": {}, "results": [{"mode": "plain", "id": "b", "prompt_ids": "1 2", "new_token_ids": [3]}]}),
+      "plain run 'b' holds no token ids"),
+     (json.dumps({"config": {}, "results": [{"mode": "plain", "id": "c", "new_token_ids": [3]}]}),
+      "names no target and prompt file")],
 )
 def test_replay_refuses_bad_files(tmp_path: Path, capsys, content: str, message: str):
     path = tmp_path / "bad.json"
@@ -110,6 +117,16 @@ def test_replay_refuses_bad_files(tmp_path: Path, capsys, content: str, message:
     assert message in capsys.readouterr().err
     assert replay.main([str(tmp_path / "missing.json")]) == 2
     assert replay.main([str(path), "--num-draft-tokens", "0"]) == 2
+
+
+def test_results_files_over_the_cap_are_not_read(tmp_path: Path, monkeypatch, capsys):
+    from specdemo.session import results
+
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({"config": {}, "results": [{"mode": "plain", "id": "a", "new_token_ids": [1]}]}))
+    monkeypatch.setattr(results, "MAX_RESULTS_BYTES", 16)
+    assert replay.main([str(path)]) == 2
+    assert "MiB: not a bench results file" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------------------------

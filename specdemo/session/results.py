@@ -14,15 +14,19 @@ race log's ``figures`` and of the server log's line. Its keys, in order:
   logit there in plain's context (greedy runs only, else None);
 - ``speedup``: tokens/s over plain decoding's on the same prompt (plain's own: 1.0).
 
-No torch here: the race log and the recordings read these.
+No torch here: the race log and the recordings read these. :func:`read_plain_runs` reads a bench results file's
+plain runs back (the replay and the EAGLE head's scorer start from them).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
+from ..core.errors import InputError, first_line
 from ..core.events import Counters
 from ..core.metrics import run_metrics
 
@@ -113,3 +117,64 @@ def race_runs(
         "spec": RunResult.of(spec, spec.new_tokens, spec.seconds, position is None if done else None, parted,
                              spec_speedup),
     }
+
+
+#: the most bytes of a bench results file read back (the 44-prompt, four-mode run of docs/measurements.md: 0.5 MiB)
+MAX_RESULTS_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class PlainRun:
+    """One prompt's plain run in a bench results file, as the replay and the head scorer read it back."""
+
+    id: str
+    category: str
+    prompt_ids: list[int] | None  # None in files written before the bench recorded them
+    prompt_tokens: int | None
+    new_token_ids: list[int]
+    seconds: float | None
+    prefill_seconds: float | None
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_count(t) for t in value)
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
+
+
+def read_plain_runs(path: Path) -> tuple[dict[str, Any], list[PlainRun]]:
+    """A bench results file's ``config`` and its plain runs (``python -m specdemo.bench --json``); InputError in one
+    line for a file that cannot be read, is not a results file, holds a plain run whose token ids are not token ids,
+    or holds no plain run."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        data = None if size > MAX_RESULTS_BYTES else json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # JSON and UTF-8 errors are ValueErrors
+        raise InputError(f"cannot read {path}: {first_line(error)}") from None
+    if size > MAX_RESULTS_BYTES:
+        raise InputError(f"{path} is over {MAX_RESULTS_BYTES // 2**20} MiB: not a bench results file")
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list) or not isinstance(
+            data.get("config"), dict):
+        raise InputError(f"{path} is not a bench results file (python -m specdemo.bench --json)")
+    runs = []
+    for row in data["results"]:
+        if not isinstance(row, dict) or row.get("mode") != "plain":
+            continue
+        run_id, prompt_ids, new_token_ids = str(row.get("id", "")), row.get("prompt_ids"), row.get("new_token_ids")
+        if not _token_ids(new_token_ids) or not (prompt_ids is None or _token_ids(prompt_ids)):
+            raise InputError(f"{path}: plain run {run_id!r} holds no token ids where a bench run writes them")
+        prompt_tokens = row.get("prompt_tokens")
+        runs.append(PlainRun(
+            run_id, str(row.get("category") or "none"), prompt_ids, prompt_tokens if _count(prompt_tokens) else None,
+            new_token_ids, _seconds(row.get("seconds")), _seconds(row.get("prefill_seconds")),
+        ))
+    if not runs:
+        raise InputError(f"{path} holds no plain run: run the bench with plain among --modes")
+    return data["config"], runs

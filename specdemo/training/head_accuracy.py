@@ -14,7 +14,6 @@ here trains, and nothing is written but ``--json``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -27,51 +26,33 @@ from ..backends.offline import OfflinePackError
 from ..core.errors import InputError, first_line
 from ..core.files import write_json_atomic
 from ..methods.eagle import head_for
+from ..session.results import PlainRun, read_plain_runs
 from .eagle import Split, evaluate, sequence_states
 
 logger = logging.getLogger(__name__)
 
 #: draft steps scored (the shipped head is trained four deep)
 STEPS = 4
-#: the most bytes of a results file read
-MAX_RESULTS_BYTES = 256 * 1024 * 1024
 
 
-def plain_runs(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The results file's ``config`` and its plain runs that carry their token ids (InputError, one line, else)."""
-    try:
-        if path.stat().st_size > MAX_RESULTS_BYTES:
-            raise InputError(f"{path} is over {MAX_RESULTS_BYTES // 2**20} MiB: not a bench results file")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise InputError(f"cannot read {path}: {first_line(error)}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("results"), list) or not isinstance(
-            data.get("config"), dict):
-        raise InputError(f"{path} is not a bench results file (python -m specdemo.bench --json)")
-    runs = []
-    for row in data["results"]:
-        if not isinstance(row, dict) or row.get("mode") != "plain":
-            continue
-        prompt, answer = row.get("prompt_ids"), row.get("new_token_ids")
-        if not (isinstance(prompt, list) and isinstance(answer, list) and prompt and answer
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt + answer)):
-            continue
-        runs.append({"id": str(row.get("id", "")), "category": str(row.get("category") or "none"),
-                     "prompt_ids": prompt, "new_token_ids": answer})
+def plain_runs(path: Path) -> tuple[dict[str, Any], list[PlainRun]]:
+    """The results file's ``config`` and its plain runs that carry their prompt's token ids (InputError else)."""
+    config, runs = read_plain_runs(path)
+    runs = [run for run in runs if run.prompt_ids is not None]
     if not runs:
-        raise InputError(f"{path} holds no plain run with its token ids: run the bench with plain among --modes")
-    return data["config"], runs
+        raise InputError(f"{path} holds no plain run with its prompt's token ids: run the bench again")
+    return config, runs
 
 
-def target_splits(model, runs: list[dict[str, Any]], layers: tuple[int, ...], vocab_size: int) -> list[Split]:
+def target_splits(model, runs: list[PlainRun], layers: tuple[int, ...], vocab_size: int) -> list[Split]:
     """Each run's prompt and answer with the target's states of ``layers`` and its greedy tokens, as the trainer
     caches them (:func:`~specdemo.training.eagle.sequence_states`)."""
     splits = []
     for run in runs:
-        ids = run["prompt_ids"] + run["new_token_ids"]
-        if max(ids) >= vocab_size or min(ids) < 0:
-            raise InputError(f"run {run['id']!r} holds token ids outside the target's {vocab_size}: another target's")
-        cached = sequence_states(model, ids, len(run["prompt_ids"]), layers)
+        ids = run.prompt_ids + run.new_token_ids
+        if max(ids) >= vocab_size:
+            raise InputError(f"run {run.id!r} holds token ids outside the target's {vocab_size}: another target's")
+        cached = sequence_states(model, ids, len(run.prompt_ids), layers)
         splits.append(Split(cached["ids"], cached["greedy"], cached["states"], torch.tensor([len(ids)]),
                             torch.tensor([cached["answer_start"]])))
     return splits
@@ -97,12 +78,12 @@ def head_accuracy(results: Path, eagle_head: str | None = None, dtype: str | Non
 
     def figures(members: list[int]) -> dict[str, Any]:
         scored = evaluate(head, embed, Split.join([splits[s] for s in members]), STEPS, batch_tokens=2048)
-        answers = torch.cat([torch.tensor(runs[s]["new_token_ids"]) for s in members])
+        answers = torch.cat([torch.tensor(runs[s].new_token_ids) for s in members])
         return {"answers": len(members), **scored, "inside_draft_vocab": round(float(inside[answers].float().mean()), 4)}
 
     categories: dict[str, list[int]] = {}
     for index, run in enumerate(runs):
-        categories.setdefault(run["category"], []).append(index)
+        categories.setdefault(run.category, []).append(index)
     by_category = {name: figures(members) for name, members in categories.items()}
     return {"results": str(results), "target": target, "dtype": loaded.format, "eagle_head": eagle_head or "shipped",
             "head_format": head.number_format, "by_category": by_category,
