@@ -368,21 +368,31 @@ def test_beside_an_int8_or_w8a8_target_the_head_runs_in_the_format_that_drafts_f
     assert len(measured) == 2 and isinstance(head.fc, torch.nn.Linear) and head.dtype == torch.float32
 
 
-def test_the_w8a8_head_drafts_what_the_float32_head_drafts(trained):
+def test_the_w8a8_head_drafts_what_the_float32_head_drafts(trained, monkeypatch):
     """Two-part activations (about 14 bits) in every layer: the head's top-1 barely moves (on the real head 98.6 %
-    of teacher-forced positions agreed with float32, as bfloat16's 98.3 %; 7-bit activations agreed 81 %)."""
+    of teacher-forced positions agreed with float32, as bfloat16's 98.3 %; 7-bit activations agreed 81 %). Its
+    q, k, v and gate, up layers share their input's one call, bit-equal to separate layers."""
+    from specdemo.backends.formats import SHARE_INPUTS_ENV, SharedInputW8A8
+
     for name in ("llama", "qwen2"):
         model, fitted = trained[name]
         quantised = eagle.head_in_format(fitted, W8A8)
         assert quantised is not fitted and isinstance(quantised.midlayer.mlp.down_proj, W8A8Linear)
+        assert isinstance(quantised.midlayer.self_attn.k_proj, SharedInputW8A8)
         assert eagle.head_in_format(fitted, "float32") is fitted
+        with monkeypatch.context() as patched:
+            patched.setenv(SHARE_INPUTS_ENV, "0")
+            separate = eagle.head_in_format(fitted, W8A8)
+        assert isinstance(separate.midlayer.self_attn.k_proj, W8A8Linear)
         generator = torch.Generator().manual_seed(1)
         rows = 48
         states = torch.randn(rows, fitted.config.num_features * fitted.config.hidden_size, generator=generator)
         embeds = model.get_input_embeddings()(torch.randint(0, VOCAB, (rows,), generator=generator))
         with torch.inference_mode():
-            tops = [head.logits(head(head.features(states), embeds, torch.arange(rows))).argmax(-1)
-                    for head in (fitted, quantised)]
+            logits = [head.logits(head(head.features(states), embeds, torch.arange(rows)))
+                      for head in (fitted, quantised, separate)]
+        assert torch.equal(logits[1], logits[2]), name
+        tops = [row.argmax(-1) for row in logits]
         assert (tops[0] == tops[1]).float().mean() >= 0.9, name
 
 

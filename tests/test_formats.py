@@ -14,9 +14,11 @@ from specdemo.backends.formats import (
     FBGEMM_ONEDNN,
     INT8,
     ONEDNN,
+    SHARE_INPUTS_ENV,
     W8A8,
     W8A8_KERNEL_ENV,
     Int8WeightLinear,
+    SharedInputW8A8,
     W8A8Linear,
     int8_format_of,
     is_int8_format,
@@ -24,6 +26,7 @@ from specdemo.backends.formats import (
     output_rows,
     output_weight,
     row_wise_attention,
+    share_inputs,
     to_int8_format,
 )
 from specdemo.backends.loading import (
@@ -126,6 +129,40 @@ def test_the_w8a8_kernels_give_the_same_bits():
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     model = to_int8_format(qwen2(3), W8A8, kernel=FBGEMM_ONEDNN)
     assert {m.kernel for m in model.modules() if isinstance(m, W8A8Linear)} == {FBGEMM_ONEDNN}
+
+
+@pytest.mark.parametrize("factory", [llama, qwen2], ids=["llama", "qwen2"])
+def test_w8a8_layers_that_share_an_input_give_the_bits_of_separate_layers(factory, monkeypatch):
+    shared = int8_model(factory, 3, W8A8)
+    attention, mlp = shared.model.layers[0].self_attn, shared.model.layers[0].mlp
+    assert all(isinstance(getattr(attention, name), SharedInputW8A8) for name in ("q_proj", "k_proj", "v_proj"))
+    assert all(isinstance(getattr(mlp, name), SharedInputW8A8) for name in ("gate_proj", "up_proj"))
+    assert isinstance(attention.o_proj, W8A8Linear) and isinstance(mlp.down_proj, W8A8Linear)
+    monkeypatch.setenv(SHARE_INPUTS_ENV, "0")
+    separate = int8_model(factory, 3, W8A8)
+    assert isinstance(separate.model.layers[0].self_attn.q_proj, W8A8Linear)
+    prompt = torch.tensor(PROMPTS[1])
+    one, two = CachedLM(shared), CachedLM(separate)
+    one.forward(prompt), two.forward(prompt)
+    for ids, parents in (([5], None), ([7, 8, 9], None), ([3, 4, 5, 6, 7], [-1, 0, 0, 1, 2])):
+        first = one.run(torch.tensor(ids), parents=parents, with_hidden=True)
+        second = two.run(torch.tensor(ids), parents=parents, with_hidden=True)
+        assert torch.equal(first.logits, second.logits) and torch.equal(first.hidden_states, second.hidden_states)
+
+
+def test_a_shared_input_layer_serves_every_call_order_and_any_input():
+    torch.manual_seed(0)
+    block = torch.nn.Module()
+    block.gate_proj, block.up_proj = torch.nn.Linear(16, 24), torch.nn.Linear(16, 40)
+    alone = {name: W8A8Linear(getattr(block, name), kernel=FBGEMM) for name in ("gate_proj", "up_proj")}
+    assert share_inputs(block, lambda linear: W8A8Linear(linear, kernel=FBGEMM)) == 1
+    x, y = torch.randn(3, 16), torch.randn(1, 16)
+    with torch.inference_mode():
+        calls = [("up_proj", x), ("gate_proj", x), ("gate_proj", x), ("up_proj", y), ("gate_proj", x),
+                 ("up_proj", x), ("up_proj", x)]
+        for name, hidden in calls:  # in any order, twice in a row, or with another input between: the member's own
+            assert torch.equal(getattr(block, name)(hidden), alone[name](hidden)), name
+    assert block.up_proj.out_features == 40 and block._modules["gate_proj"].layer.out_features == 64
 
 
 def test_a_misspelt_w8a8_kernel_is_one_line(monkeypatch):

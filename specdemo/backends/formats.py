@@ -291,6 +291,7 @@ def to_int8_format(model: PreTrainedModel, fmt: str = INT8, kernel: str | None =
     hidden_size = getattr(model.config, "hidden_size", None)
     if layer is W8A8Linear:
         kernel = kernel or w8a8_kernel()
+        share_inputs(model, lambda linear: W8A8Linear(linear, two_parts=_narrows(linear, hidden_size), kernel=kernel))
         replace_linear_layers(model, lambda linear, child: W8A8Linear(
             linear, two_parts=child is head or _narrows(linear, hidden_size), kernel=kernel))
     else:
@@ -300,6 +301,88 @@ def to_int8_format(model: PreTrainedModel, fmt: str = INT8, kernel: str | None =
         model.config.tie_word_embeddings = False
     model.set_attn_implementation(ROW_WISE_ATTENTION)
     return model
+
+
+#: sibling linear layers that read the same input in every transformers decoder layer that has them: an
+#: attention's query, key and value projections, an MLP's gate and up projections
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+#: set to 0 to keep every w8a8 linear layer apart (to measure what sharing inputs saves)
+SHARE_INPUTS_ENV = "SPECDEMO_W8A8_SHARE_INPUTS"
+
+
+class SharedInputW8A8(nn.Module):
+    """One of several w8a8 layers that read the same input, computed as one layer over their stacked weights.
+
+    The first member called with an input runs the whole group's layer once (the input divided by its token scale
+    and rounded once, one kernel call) and keeps the other members' columns for their calls with the same tensor;
+    a member called with another tensor (or twice with the same one) runs the group's layer again,
+    so the result never depends on the order of the calls. Each output channel's integer sums, weight step, token
+    scale and bias are those the member's own layer would use, so its output is bit-equal to that layer's
+    (``tests/test_formats.py``)."""
+
+    def __init__(self, group: "_SharedInput", index: int) -> None:
+        super().__init__()
+        self._group = (group,)  # a tuple: the group's layer is registered once, on the first member
+        if index == 0:
+            self.layer = group.layer
+        self.index = index
+        self.in_features = group.layer.in_features
+        self.out_features = group.bounds[index + 1] - group.bounds[index]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._group[0].part(self.index, hidden)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, one part of a shared w8a8 layer"
+
+
+class _SharedInput:
+    """A group's layer and what its last call left for the members not yet called (one tuple, replaced whole)."""
+
+    def __init__(self, layer: W8A8Linear, sizes: list[int]) -> None:
+        self.layer = layer
+        self.bounds = [0]
+        for size in sizes:
+            self.bounds.append(self.bounds[-1] + size)
+        self._last: tuple[torch.Tensor, torch.Tensor, frozenset[int]] | None = None  # input, output, parts taken
+
+    def part(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        last = self._last
+        if last is None or last[0] is not hidden or index in last[2]:
+            output, taken = self.layer(hidden), frozenset((index,))
+        else:
+            output, taken = last[1], last[2] | {index}
+        # every member served: hold nothing between passes; the result never depends on what another call left
+        self._last = None if len(taken) == len(self.bounds) - 1 else (hidden, output, taken)
+        return output[..., self.bounds[index] : self.bounds[index + 1]].contiguous()
+
+
+def share_inputs(model: nn.Module, make: Callable[[nn.Linear], W8A8Linear]) -> int:
+    """Make each :data:`SHARED_INPUT_GROUPS` group of linear layers under one module one w8a8 layer (``make`` of
+    their stacked weights: each output channel keeps its own weight scale, so the int8 weights are those each layer
+    would get alone), its members :class:`SharedInputW8A8`; returns how many groups were joined (none with
+    :data:`SHARE_INPUTS_ENV` set to 0)."""
+    if os.environ.get(SHARE_INPUTS_ENV, "1").strip() == "0":
+        return 0
+    joined = 0
+    for parent in list(model.modules()):
+        for names in SHARED_INPUT_GROUPS:
+            members = [getattr(parent, name, None) for name in names]
+            if not all(type(m) is nn.Linear for m in members):
+                continue
+            first = members[0]
+            if any(m.in_features != first.in_features or (m.bias is None) != (first.bias is None) for m in members):
+                continue
+            stacked = nn.Linear(first.in_features, sum(m.out_features for m in members), bias=first.bias is not None,
+                                device="meta")
+            stacked.weight = nn.Parameter(torch.cat([m.weight.detach() for m in members]), requires_grad=False)
+            if first.bias is not None:
+                stacked.bias = nn.Parameter(torch.cat([m.bias.detach() for m in members]), requires_grad=False)
+            group = _SharedInput(make(stacked), [m.out_features for m in members])
+            for index, name in enumerate(names):
+                setattr(parent, name, SharedInputW8A8(group, index))
+            joined += 1
+    return joined
 
 
 def replace_linear_layers(module: nn.Module, make: Callable[[nn.Linear, nn.Module], nn.Module]) -> None:

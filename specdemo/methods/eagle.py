@@ -47,6 +47,7 @@ from ..backends.formats import (
     output_rows,
     output_weight,
     replace_linear_layers,
+    share_inputs,
     w8a8_kernel_available,
 )
 from ..backends.loading import LoadedModel
@@ -739,6 +740,7 @@ def head_in_format(head: EagleHead, fmt: str) -> EagleHead:
         dtype = getattr(torch, fmt)
         return head if head.dtype == dtype else copy.deepcopy(head).to(dtype)
     quantised = copy.deepcopy(head).float()
+    share_inputs(quantised, lambda linear: W8A8Linear(linear, two_parts=True))  # q, k, v and gate, up: one call each
     replace_linear_layers(quantised, lambda linear, _: W8A8Linear(linear, two_parts=True))
     return quantised
 
