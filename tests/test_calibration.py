@@ -86,7 +86,7 @@ def test_detect_hardware_on_this_cpu() -> None:
     assert hardware.describe().startswith(hardware.name)
     assert hardware.kernels.split(",")[0] == torch.backends.cpu.get_cpu_capability()  # torch's own kernels
     if formats.w8a8_kernel_available():  # and the w8a8 GEMMs: a curve measured with others is stale
-        assert f"w8a8 {formats.w8a8_kernel()}" in hardware.kernels
+        assert f"w8a8 {formats.w8a8_kernel()}, inputs shared" in hardware.kernels
 
 
 def loaded(model, source: str) -> LoadedModel:

@@ -372,13 +372,13 @@ def test_the_w8a8_head_drafts_what_the_float32_head_drafts(trained, monkeypatch)
     """Two-part activations (about 14 bits) in every layer: the head's top-1 barely moves (on the real head 98.6 %
     of teacher-forced positions agreed with float32, as bfloat16's 98.3 %; 7-bit activations agreed 81 %). Its
     q, k, v and gate, up layers share their input's one call, bit-equal to separate layers."""
-    from specdemo.backends.formats import SHARE_INPUTS_ENV, SharedInputW8A8
+    from specdemo.backends.formats import SHARE_INPUTS_ENV, SharedInputLinear
 
     for name in ("llama", "qwen2"):
         model, fitted = trained[name]
         quantised = eagle.head_in_format(fitted, W8A8)
         assert quantised is not fitted and isinstance(quantised.midlayer.mlp.down_proj, W8A8Linear)
-        assert isinstance(quantised.midlayer.self_attn.k_proj, SharedInputW8A8)
+        assert isinstance(quantised.midlayer.self_attn.k_proj, SharedInputLinear)
         assert eagle.head_in_format(fitted, "float32") is fitted
         with monkeypatch.context() as patched:
             patched.setenv(SHARE_INPUTS_ENV, "0")

@@ -18,7 +18,7 @@ from specdemo.backends.formats import (
     W8A8,
     W8A8_KERNEL_ENV,
     Int8WeightLinear,
-    SharedInputW8A8,
+    SharedInputLinear,
     W8A8Linear,
     int8_format_of,
     is_int8_format,
@@ -135,8 +135,8 @@ def test_the_w8a8_kernels_give_the_same_bits():
 def test_w8a8_layers_that_share_an_input_give_the_bits_of_separate_layers(factory, monkeypatch):
     shared = int8_model(factory, 3, W8A8)
     attention, mlp = shared.model.layers[0].self_attn, shared.model.layers[0].mlp
-    assert all(isinstance(getattr(attention, name), SharedInputW8A8) for name in ("q_proj", "k_proj", "v_proj"))
-    assert all(isinstance(getattr(mlp, name), SharedInputW8A8) for name in ("gate_proj", "up_proj"))
+    assert all(isinstance(getattr(attention, name), SharedInputLinear) for name in ("q_proj", "k_proj", "v_proj"))
+    assert all(isinstance(getattr(mlp, name), SharedInputLinear) for name in ("gate_proj", "up_proj"))
     assert isinstance(attention.o_proj, W8A8Linear) and isinstance(mlp.down_proj, W8A8Linear)
     monkeypatch.setenv(SHARE_INPUTS_ENV, "0")
     separate = int8_model(factory, 3, W8A8)
@@ -148,6 +148,20 @@ def test_w8a8_layers_that_share_an_input_give_the_bits_of_separate_layers(factor
         first = one.run(torch.tensor(ids), parents=parents, with_hidden=True)
         second = two.run(torch.tensor(ids), parents=parents, with_hidden=True)
         assert torch.equal(first.logits, second.logits) and torch.equal(first.hidden_states, second.hidden_states)
+
+
+@pytest.mark.parametrize("factory", [llama, qwen2], ids=["llama", "qwen2"])
+def test_a_drafts_int8_copy_shares_inputs_bit_equal_to_separate_layers(factory, monkeypatch):
+    from specdemo.backends.int8 import int8_copy
+
+    shared = int8_copy(factory(4))
+    assert isinstance(shared.model.layers[0].self_attn.v_proj, SharedInputLinear)
+    monkeypatch.setenv(SHARE_INPUTS_ENV, "0")
+    separate = int8_copy(factory(4))
+    assert not isinstance(separate.model.layers[0].self_attn.v_proj, SharedInputLinear)
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.inference_mode():
+        assert torch.equal(shared(ids).logits, separate(ids).logits)
 
 
 def test_a_shared_input_layer_serves_every_call_order_and_any_input():

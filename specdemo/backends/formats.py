@@ -306,19 +306,21 @@ def to_int8_format(model: PreTrainedModel, fmt: str = INT8, kernel: str | None =
 #: sibling linear layers that read the same input in every transformers decoder layer that has them: an
 #: attention's query, key and value projections, an MLP's gate and up projections
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-#: set to 0 to keep every w8a8 linear layer apart (to measure what sharing inputs saves)
+#: set to 0 to keep every int8 linear layer (w8a8 targets and heads, int8 drafts) apart (to measure what sharing
+#: inputs saves)
 SHARE_INPUTS_ENV = "SPECDEMO_W8A8_SHARE_INPUTS"
 
 
-class SharedInputW8A8(nn.Module):
-    """One of several w8a8 layers that read the same input, computed as one layer over their stacked weights.
+class SharedInputLinear(nn.Module):
+    """One of several linear layers that read the same input, computed as one layer over their stacked weights.
 
-    The first member called with an input runs the whole group's layer once (the input divided by its token scale
-    and rounded once, one kernel call) and keeps the other members' columns for their calls with the same tensor;
-    a member called with another tensor (or twice with the same one) runs the group's layer again,
-    so the result never depends on the order of the calls. Each output channel's integer sums, weight step, token
-    scale and bias are those the member's own layer would use, so its output is bit-equal to that layer's
-    (``tests/test_formats.py``)."""
+    The first member called with an input runs the whole group's layer once (for w8a8: the input divided by its
+    token scale and rounded once, one kernel call) and keeps the other members' columns for their calls with the
+    same tensor; a member called with another tensor (or twice with the same one) runs the group's layer again,
+    so the result never depends on the order of the calls. In w8a8 each output channel's integer sums, weight
+    step, token scale and bias are those the member's own layer would use, so its output is bit-equal to that
+    layer's (``tests/test_formats.py``); so is a draft's dynamically quantised copy (one activation scale per call,
+    computed from the same input)."""
 
     def __init__(self, group: "_SharedInput", index: int) -> None:
         super().__init__()
@@ -326,7 +328,7 @@ class SharedInputW8A8(nn.Module):
         if index == 0:
             self.layer = group.layer
         self.index = index
-        self.in_features = group.layer.in_features
+        self.in_features = group.in_features
         self.out_features = group.bounds[index + 1] - group.bounds[index]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -339,8 +341,9 @@ class SharedInputW8A8(nn.Module):
 class _SharedInput:
     """A group's layer and what its last call left for the members not yet called (one tuple, replaced whole)."""
 
-    def __init__(self, layer: W8A8Linear, sizes: list[int]) -> None:
+    def __init__(self, layer: nn.Module, in_features: int, sizes: list[int]) -> None:
         self.layer = layer
+        self.in_features = in_features
         self.bounds = [0]
         for size in sizes:
             self.bounds.append(self.bounds[-1] + size)
@@ -357,12 +360,17 @@ class _SharedInput:
         return output[..., self.bounds[index] : self.bounds[index + 1]].contiguous()
 
 
-def share_inputs(model: nn.Module, make: Callable[[nn.Linear], W8A8Linear]) -> int:
-    """Make each :data:`SHARED_INPUT_GROUPS` group of linear layers under one module one w8a8 layer (``make`` of
+def shares_inputs() -> bool:
+    """Whether int8 layers that read the same input share its call (unless :data:`SHARE_INPUTS_ENV` is 0)."""
+    return os.environ.get(SHARE_INPUTS_ENV, "1").strip() != "0"
+
+
+def share_inputs(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Make each :data:`SHARED_INPUT_GROUPS` group of linear layers under one module one int8 layer (``make`` of
     their stacked weights: each output channel keeps its own weight scale, so the int8 weights are those each layer
-    would get alone), its members :class:`SharedInputW8A8`; returns how many groups were joined (none with
+    would get alone), its members :class:`SharedInputLinear`; returns how many groups were joined (none with
     :data:`SHARE_INPUTS_ENV` set to 0)."""
-    if os.environ.get(SHARE_INPUTS_ENV, "1").strip() == "0":
+    if not shares_inputs():
         return 0
     joined = 0
     for parent in list(model.modules()):
@@ -378,9 +386,9 @@ def share_inputs(model: nn.Module, make: Callable[[nn.Linear], W8A8Linear]) -> i
             stacked.weight = nn.Parameter(torch.cat([m.weight.detach() for m in members]), requires_grad=False)
             if first.bias is not None:
                 stacked.bias = nn.Parameter(torch.cat([m.bias.detach() for m in members]), requires_grad=False)
-            group = _SharedInput(make(stacked), [m.out_features for m in members])
+            group = _SharedInput(make(stacked), first.in_features, [m.out_features for m in members])
             for index, name in enumerate(names):
-                setattr(parent, name, SharedInputW8A8(group, index))
+                setattr(parent, name, SharedInputLinear(group, index))
             joined += 1
     return joined
 

@@ -13,6 +13,7 @@ import weakref
 import torch
 from transformers import PreTrainedModel
 
+from .formats import share_inputs
 from .memory import return_free_memory
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ def int8_copy(model: PreTrainedModel) -> PreTrainedModel | None:
         logger.warning("int8 draft unavailable in this torch build; drafting in the model's own dtype")
         return None
     clone = copy.deepcopy(model).float().cpu().eval()
+    # q, k, v and gate, up: one int8 layer a group, one call (bit-equal: one activation scale of the same input)
+    share_inputs(clone, lambda linear: int8_linear(linear.weight.detach(), _bias(linear)))
     clone_head = clone.get_output_embeddings()
     spec = {
         name: per_channel_dynamic_qconfig
@@ -53,6 +56,10 @@ def int8_copy(model: PreTrainedModel) -> PreTrainedModel | None:
     _INT8_COPIES[model] = quantized
     return_free_memory()  # the float32 weights the int8 layers replaced
     return quantized
+
+
+def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
 
 
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
