@@ -335,7 +335,7 @@ class SharedInputLinear(nn.Module):
         return self._group[0].part(self.index, hidden)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, one part of a shared w8a8 layer"
+        return f"in_features={self.in_features}, out_features={self.out_features}, one part of a shared int8 layer"
 
 
 class _SharedInput:
