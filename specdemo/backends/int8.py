@@ -43,7 +43,7 @@ def int8_copy(model: PreTrainedModel) -> PreTrainedModel | None:
         return None
     clone = copy.deepcopy(model).float().cpu().eval()
     # q, k, v and gate, up: one int8 layer a group, one call (bit-equal: one activation scale of the same input)
-    share_inputs(clone, lambda linear: int8_linear(linear.weight.detach(), _bias(linear)))
+    share_inputs(clone, _quantised)
     clone_head = clone.get_output_embeddings()
     spec = {
         name: per_channel_dynamic_qconfig
@@ -58,19 +58,20 @@ def int8_copy(model: PreTrainedModel) -> PreTrainedModel | None:
     return quantized
 
 
-def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.detach()
-
-
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
     """An int8 dynamically quantised linear layer with these float weights."""
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     with torch.no_grad():
         linear.weight.copy_(weight.float())
         if bias is not None:
             linear.bias.copy_(bias.float())
+    return _quantised(linear)
+
+
+def _quantised(linear: torch.nn.Linear) -> torch.nn.Module:
+    """``linear`` (float32) as an int8 dynamically quantised layer."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return quantize_dynamic(torch.nn.Sequential(linear), {"0": per_channel_dynamic_qconfig}, dtype=torch.qint8)

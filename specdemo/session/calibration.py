@@ -93,13 +93,13 @@ def detect_hardware(device: torch.device) -> Hardware:
 
 
 def _kernel_isa() -> str:
-    """What the CPU kernels use: torch's dispatch level, the w8a8 format's int8 GEMMs (and whether its layers share
-    their inputs' calls, :func:`~specdemo.backends.formats.share_inputs`), and oneDNN's and FBGEMM's
+    """What the CPU kernels use: torch's dispatch level, the w8a8 format's int8 GEMMs, whether int8 layers share
+    their inputs' calls (:func:`~specdemo.backends.formats.share_inputs`), and oneDNN's and FBGEMM's
     limits if the environment sets them (part of the cache key: a curve measured with other kernels is stale)."""
     isa = torch.backends.cpu.get_cpu_capability()
     if formats.w8a8_kernel_available():
         isa += f", w8a8 {formats.w8a8_kernel()}"
-        isa += ", inputs shared" if formats.shares_inputs() else ", inputs apart"
+    isa += ", inputs shared" if formats.shares_inputs() else ", inputs apart"  # w8a8 targets and int8 drafts alike
     limit = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
     if limit:
         isa += f", oneDNN up to {limit}"
