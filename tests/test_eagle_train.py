@@ -232,6 +232,8 @@ def test_a_bad_init_or_train_dtype_is_refused_before_anything_loads(tmp_path, mo
         train(tiny_settings(tmp_path, "unused", init="zeros"))
     with pytest.raises(ValueError, match="--train-dtype float16: bfloat16 or float32"):
         train(tiny_settings(tmp_path, "unused", train_dtype="float16"))
+    with pytest.raises(ValueError, match="--init pass-through and --init-from: a head starts one way"):
+        train(tiny_settings(tmp_path, "unused", init="pass-through", init_from=tmp_path))
 
 
 def test_answers_committed_with_the_checkout_are_found_by_their_key(tmp_path, monkeypatch):
@@ -325,6 +327,67 @@ def test_chat_answers_join_the_corpus_and_a_larger_set_extends_the_answers_of_a_
     assert again[0]["prompt"] == rows[0]["prompt"] and again[0]["answer_ids"] == rows[0]["answer_ids"]
 
 
+def test_passage_prompts_quote_the_chat_answer_of_their_index_and_none_is_a_benchmark_prompt():
+    from specdemo.training.corpus import PASSAGE_WORDS, chat_prompts, passage, passage_prompts
+
+    words = "The council met on Tuesday. It chose a new bridge design after a long debate. " * 12
+    texts = [f"## Answer {i}\n\n**Point {i}**: {words}\n\nA second paragraph, number {i}." for i in range(120)]
+    rows = [{"index": i, "answer": text} for i, text in enumerate(texts)]
+    prompts = passage_prompts(rows, seed=0)
+    assert passage_prompts(rows[:30], seed=0) == prompts[:30]  # a larger set extends a smaller one
+    assert passage_prompts(rows[:30], seed=1) != prompts[:30]
+    assert {p.kind for p in prompts} == {"summary", "translation", "question", "extraction"}
+    for i, prompt in enumerate(prompts):
+        quoted = passage(texts[i], PASSAGE_WORDS // 2 if prompt.kind == "translation" else PASSAGE_WORDS)
+        assert " ".join(quoted.split()) in " ".join(prompt.text.split()) and f"Point {i}" in prompt.text
+        assert "**" not in prompt.text and "##" not in prompt.text
+    # a passage keeps whole paragraphs while they fit, else the first one cut at a sentence end
+    assert passage("one two.\n\nthree four five.", words=3) == "one two."
+    assert passage("A b c. D e f. G h i j k.", words=7) == "A b c. D e f."
+    assert passage("", words=5) == ""
+    root = Path(__file__).resolve().parents[1]
+    benchmark = {json.loads(line)["prompt"] for line in (root / "specdemo" / "data" / "prompts.jsonl").open()}
+    questions = root.parent / "shared" / "specbench" / "question.jsonl"
+    if questions.is_file():
+        benchmark |= {turn for line in questions.open() for turn in json.loads(line)["turns"]}
+    chat = [{"index": i, "answer": p.text} for i, p in enumerate(chat_prompts(200, seed=0))]
+    assert not {p.text for p in passage_prompts(chat, seed=0)} & benchmark
+
+
+def test_passage_answers_join_the_corpus_and_a_head_trains_further_from_another(pair, tmp_path, monkeypatch):
+    from specdemo.training.corpus import chat_prompts, passage_prompts
+
+    monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")
+    first = train(tiny_settings(tmp_path, pair, answers=0, epochs=1, out=tmp_path / "first"))
+    # no library text at all: a head trained further on the passage answers alone
+    settings = tiny_settings(tmp_path, pair, answers=0, passage_answers=5, epochs=1, learning_rate=1e-3,
+                             draft_vocab_size=32, init_from=tmp_path / "first", sequences=0, held_out_sequences=0)
+    report = train(settings)
+    # the chat prompts are answered (the passages), only the passage answers are learned from
+    chat_rows = [json.loads(line) for line in (settings.chat_answers_path() / "answers.jsonl").read_text().splitlines()]
+    assert sorted(row["prompt"] for row in chat_rows) == sorted(p.text for p in chat_prompts(5, seed=0))
+    passage_rows = sorted((json.loads(line) for line in
+                           (settings.passage_answers_path() / "answers.jsonl").read_text().splitlines()),
+                          key=lambda row: row["index"])
+    chat_rows.sort(key=lambda row: row["index"])
+    assert [row["prompt"] for row in passage_rows] == [p.text for p in passage_prompts(chat_rows, seed=0)]
+    assert report["chat_answers"] is None and report["passage_answers"]["held_out_sequences"] == 2  # 0 and 3
+    figures = report["held_out"]["passage_answers"]
+    assert len(figures["top1_per_step"]) == 3 and all(0.0 <= a <= 1.0 for a in figures["top1_per_step"])
+    # trained further: the first head's draft vocabulary and sizes, other weights
+    loaded = load_model(pair, LoadSettings(dtype="float32"))
+    model = loaded.model
+    heads = [load_head(folder, target_facts(loaded), lm_head_weight=lambda: output_weight(model))
+             for folder in (tmp_path / "first", settings.out)]
+    assert torch.equal(heads[0].draft_ids, heads[1].draft_ids) and heads[1].config == heads[0].config
+    assert report["weights_sha256"] != first["weights_sha256"]
+    assert settings.train_key(heads[0].draft_ids, heads[0].config) != tiny_settings(
+        tmp_path, pair, answers=0, passage_answers=5, epochs=1, learning_rate=1e-3).train_key(
+        heads[0].draft_ids, heads[0].config)
+    with pytest.raises(ValueError, match="EAGLE head not found"):
+        train(tiny_settings(tmp_path, pair, answers=0, init_from=tmp_path / "nothing-here"))
+
+
 def test_the_command_line_lists_one_flag_per_setting(capsys):
     from specdemo.training.eagle import main
 
@@ -333,6 +396,7 @@ def test_the_command_line_lists_one_flag_per_setting(capsys):
     assert stop.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--target", "--out", "--dtype", "--seed", "--sequences", "--held-out-sequences", "--answers", "--chat-answers",
+                 "--passage-answers", "--init-from",
                  "--epochs", "--steps-unrolled", "--draft-vocab-size", "--learning-rate", "--batch-tokens",
                  "--time-budget-minutes"):
         assert flag in text

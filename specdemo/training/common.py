@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from tqdm import tqdm
 
-from .corpus import CHAT_PROMPTS_VERSION, TrainingPrompt, training_prompts
+from .corpus import CHAT_PROMPTS_VERSION, PASSAGE_PROMPTS_VERSION, TrainingPrompt, training_prompts
 
 if TYPE_CHECKING:
     from ..backends.loading import LoadedModel
@@ -62,12 +62,16 @@ class CorpusSpec:
     answer_tokens: int = 256
     generation_batch: int = 32
     chat_answers: int = 0  # the target's answers to the first N of :func:`~.corpus.chat_prompts` too
+    #: the target's answers to N :func:`~.corpus.passage_prompts` too (over its answers to the first N chat prompts)
+    passage_answers: int = 0
 
     def description(self) -> str:
         return (f"Python {sys.version.split()[0]} standard library sources (tests, idlelib, lib2to3, turtledemo, "
                 "ensurepip excluded), one chat turn per sequence"
                 + (f", and the target's own greedy answers to {self.answers} training prompts" if self.answers else "")
-                + (f" and to {self.chat_answers} chat prompts" if self.chat_answers else ""))
+                + (f" and to {self.chat_answers} chat prompts" if self.chat_answers else "")
+                + (f" and to {self.passage_answers} prompts quoting its chat answers" if self.passage_answers
+                   else ""))
 
 
 class CorpusSettings:
@@ -81,7 +85,7 @@ class CorpusSettings:
     def corpus_spec(self) -> CorpusSpec:
         return CorpusSpec(self.sequences, self.sequence_tokens, self.held_out_every, self.held_out_sequences,
                           self.seed, self.answers, self.answer_tokens, self.generation_batch,
-                          getattr(self, "chat_answers", 0))
+                          getattr(self, "chat_answers", 0), getattr(self, "passage_answers", 0))
 
     def cache_path(self) -> Path:
         return self.cache_dir if self.cache_dir is not None else self.cache_root / self.corpus_key()
@@ -98,6 +102,12 @@ class CorpusSettings:
     def chat_answers_path(self) -> Path:
         return self.cache_path() / f"answers-{self.chat_answers_key()}"
 
+    def passage_answers_key(self) -> str:
+        return passage_answers_key(self.target, self.dtype, self.corpus_spec())
+
+    def passage_answers_path(self) -> Path:
+        return self.cache_path() / f"answers-{self.passage_answers_key()}"
+
 
 def answers_key(target: str, dtype: str, spec: CorpusSpec) -> str:
     """The name of a set of the target's answers: the same for every trainer that asks for the same answers."""
@@ -110,6 +120,14 @@ def chat_answers_key(target: str, dtype: str, spec: CorpusSpec) -> str:
     extends a smaller one (the first N answers of any such file are the answers to the first N prompts)."""
     keyed = [target, dtype, "chat", CHAT_PROMPTS_VERSION, spec.answer_tokens, spec.seed, sys.version.split()[0]]
     return "chat-" + hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:16]
+
+
+def passage_answers_key(target: str, dtype: str, spec: CorpusSpec) -> str:
+    """The name of the target's answers to :func:`~.corpus.passage_prompts`: without the count, as for chat
+    answers; the chat answers' key is part of it, since the prompts quote those answers."""
+    keyed = [target, dtype, "passage", PASSAGE_PROMPTS_VERSION, chat_answers_key(target, dtype, spec),
+             spec.answer_tokens, spec.seed, sys.version.split()[0]]
+    return "passage-" + hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:16]
 
 
 def answers_elsewhere(key: str) -> list[Path]:

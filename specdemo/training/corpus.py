@@ -9,6 +9,9 @@ writing. The material is the standard library's functions and docstrings and the
 :func:`chat_prompts` (the EAGLE trainer's ``--chat-answers``) makes prompt i from the seed and i alone: advice,
 explanations, extraction from a made-up text, humanities, lists, arithmetic, plans, logic puzzles, rewriting in a
 tone, role play, STEM and writing, so that a larger set extends a smaller one and its answers can be reused.
+:func:`passage_prompts` (``--passage-answers``) quotes the target's answer to chat prompt i in prompt i and asks
+for a summary, a translation, an answer to a question over it or an extraction from it: answers that transform a
+text the prompt gives, as summarization, translation and retrieval questions do.
 """
 
 from __future__ import annotations
@@ -314,3 +317,95 @@ def chat_prompts(count: int, seed: int) -> list[TrainingPrompt]:
             seen.add(prompt.text)
             prompts.append(prompt)
     return prompts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# passage prompts: a text in the prompt, an answer that transforms it
+
+
+#: bumped when :func:`passage_prompt` would write a different prompt for some index or passage
+PASSAGE_PROMPTS_VERSION = 1
+#: the longest passage a prompt quotes, in words (cut at a paragraph or a sentence end)
+PASSAGE_WORDS = 160
+SUMMARY_ASKS = [
+    "Summarize: {text}",
+    "Summarize the following text in {n} sentences.\n\n{text}",
+    "Summarize the following passage in one paragraph of about {words} words, then list three key takeaways as "
+    "bullet points.\n\n{text}",
+    "Write a headline and a two-sentence summary of this text:\n\n{text}",
+    "{text}\n\nWhat is the gist of the text above? Answer in {n} sentences.",
+]
+TRANSLATION_ASKS = [
+    "Translate the following text into {language}:\n\n{text}",
+    "Translate English to {language}: {text}",
+    "Translate this paragraph into {language}, keeping its tone:\n\n{text}",
+]
+QUESTION_ASKS = [
+    "{text}\n\nBased on the text above, what is its main point?",
+    "{text}\n\nAccording to the text, what reasons or examples are given? Answer briefly.",
+    "Read the text and answer the question.\n\nText: {text}\n\nQuestion: Who is this text written for, and how can "
+    "you tell?",
+    "{text}\n\nUsing only the passage above, name two things a reader should remember.",
+    "Answer from the passage alone.\n\nPassage: {text}\n\nQuestion: Which claim in the passage would you check "
+    "first, and why?",
+]
+EXTRACTION_ASKS = [
+    "List every name, number and place mentioned in the text below as JSON (empty lists where there are none).\n\n"
+    "{text}",
+    "Turn this text into a short FAQ of three questions and answers:\n\n{text}",
+    "{text}\n\nMake a table of the main points of this text, one row each, with a short example for each.",
+    "Extract the steps or recommendations in this text as a numbered list:\n\n{text}",
+]
+
+
+def _cut(paragraph: str, words: int) -> str:
+    """The first ``words`` words of ``paragraph``, ended at its last sentence end when that keeps a third."""
+    cut = " ".join(paragraph.split()[:words])
+    end = max(cut.rfind(". "), cut.rfind("! "), cut.rfind("? "))
+    return cut[: end + 1] if end > len(cut) // 3 else cut
+
+
+def passage(text: str, words: int = PASSAGE_WORDS) -> str:
+    """The start of ``text`` as a passage to quote, at most ``words`` words: its markdown emphasis and heading
+    marks removed, whole paragraphs while they fit, and while it holds under half of ``words``, the start of the
+    next paragraph up to a sentence end."""
+    paragraphs = [" ".join(block.replace("**", "").replace("__", "").lstrip("#").split())
+                  for block in text.split("\n\n")]
+    kept: list[str] = []
+    count = 0
+    for paragraph in (p for p in paragraphs if p):
+        size = len(paragraph.split())
+        if count + size <= words:
+            kept.append(paragraph)
+            count += size
+            continue
+        if count < words // 2:
+            kept.append(_cut(paragraph, words - count))
+        break
+    return "\n\n".join(kept)
+
+
+def passage_prompt(index: int, seed: int, text: str) -> TrainingPrompt:
+    """Passage prompt number ``index`` for ``seed`` over ``text`` (the target's answer to chat prompt ``index``):
+    a summary, a translation, a question over the passage or an extraction from it; a function of the three
+    alone, so a larger set extends a smaller one."""
+    rng = random.Random(f"passage/{PASSAGE_PROMPTS_VERSION}/{seed}/{index}")
+    kind = ("summary", "translation", "question", "extraction")[rng.randrange(4)]
+    quoted = passage(text)
+    if kind == "translation":  # a paragraph or two: a translation is longer than its source
+        quoted = passage(text, PASSAGE_WORDS // 2)
+        return TrainingPrompt(kind, rng.choice(TRANSLATION_ASKS).format(
+            language=rng.choice(LANGUAGES), text=quoted))
+    if kind == "summary":
+        ask = rng.choice(SUMMARY_ASKS)
+        if ask.startswith("Summarize: "):
+            quoted = " ".join(quoted.split())  # one block, as a news text arrives
+        return TrainingPrompt(kind, ask.format(text=quoted, n=rng.randint(2, 4), words=rng.choice([40, 60, 80])))
+    asks = QUESTION_ASKS if kind == "question" else EXTRACTION_ASKS
+    return TrainingPrompt(kind, rng.choice(asks).format(text=quoted))
+
+
+def passage_prompts(chat_answers: list[dict], seed: int) -> list[TrainingPrompt]:
+    """One passage prompt per chat answer, in order: prompt i quotes the target's answer to chat prompt i (its
+    ``answer`` text), so prompt i is held out exactly when the answer it quotes is."""
+    return [passage_prompt(i, seed, row["answer"]) for i, row in enumerate(chat_answers)]

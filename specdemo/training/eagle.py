@@ -38,6 +38,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -46,8 +47,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..backends.formats import output_rows, output_weight
-from ..core.files import atomic_path
+from ..core.files import atomic_path, file_sha256
 from ..methods.eagle import (
+    WEIGHTS_NAMES,
     EagleConfig,
     EagleHead,
     _llama_fields,
@@ -69,7 +71,7 @@ from .common import (
     read_shards,
     write_shards,
 )
-from .corpus import chat_prompts
+from .corpus import TrainingPrompt, chat_prompts, passage_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,7 @@ class TrainSettings(CorpusSettings):
     held_out_sequences: int = 32
     answers: int = 480
     chat_answers: int = 0
+    passage_answers: int = 0
     answer_tokens: int = 256
     generation_batch: int = 32
     epochs: int = 1
@@ -120,6 +123,8 @@ class TrainSettings(CorpusSettings):
     #: "pass-through": the feature starts as the highest layer's state and the layer's two residual branches at
     #: zero, so the untrained head already reads the target's LM head input space; "random": PyTorch's init
     init: str = "random"
+    #: a head to start from instead (its sizes and draft vocabulary kept): training it further on more text
+    init_from: Path | None = None
     time_budget_minutes: float | None = None
     cache_dir: Path | None = None
     #: stop (checkpointed, as a spent time budget does) after this many optimizer steps in all; for tests
@@ -134,7 +139,9 @@ class TrainSettings(CorpusSettings):
     def train_key(self, draft_ids: torch.Tensor, config: EagleConfig) -> str:
         init = [self.init] if self.init != "random" else []  # absent for random: earlier checkpoints still resume
         chat = [self.chat_answers_key(), self.chat_answers] if self.chat_answers else []  # absent: earlier keys hold
-        keyed = [self.corpus_key(), self.answers_key() if self.answers else None, *chat, self.epochs,
+        passage = [self.passage_answers_key(), self.passage_answers] if self.passage_answers else []
+        start = [_weights_digest(self.init_from)] if self.init_from is not None else []
+        keyed = [self.corpus_key(), self.answers_key() if self.answers else None, *chat, *passage, *start, self.epochs,
                  self.steps_unrolled, self.learning_rate, self.batch_tokens, self.train_dtype, self.loss_decay,
                  self.grad_clip, self.warmup_steps, *init, hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest(), asdict(config)]
         return hashlib.sha256(json.dumps(keyed, default=str).encode()).hexdigest()[:16]
@@ -166,6 +173,14 @@ def head_fields(model, draft_vocab_size: int, intermediate_size: int) -> dict:
             intermediate_size += WIDTH_STEP
     fields["intermediate_size"] = intermediate_size
     return fields
+
+
+def _weights_digest(source: Path) -> str:
+    """What names a starting head in the training key: its weights file's sha256 (else the name as given)."""
+    for name in WEIGHTS_NAMES:
+        if (Path(source) / name).is_file():
+            return file_sha256(Path(source) / name)
+    return str(source)
 
 
 def head_bytes(config: EagleConfig) -> int:
@@ -220,6 +235,46 @@ def cache_split(model, sequences: list[dict], folder: Path, name: str, layers: t
 
 
 @dataclass
+class AnswerSet:
+    """One set of the target's own answers in the corpus: ``name`` (its figures' key in ``training.json``), the
+    answers' ``key`` and ``folder``, the ``shards`` folder of its cached states, its ``prompts`` (None: the
+    training prompts) and ``count``, how many of the first answers the head learns from (0: answered only, for
+    passage prompts to quote)."""
+
+    name: str
+    key: str
+    folder: Path
+    shards: Path
+    prompts: Callable[[], list[TrainingPrompt]] | None
+    count: int
+    rows: list[dict] = field(default_factory=list)
+    counts: dict = field(default_factory=dict)
+
+    def prepare(self, loaded, spec, layers: tuple[int, ...]) -> tuple[float, float]:
+        """The answers (reused from any trainer's cache or the checkout, else generated) and the cached states
+        of the first ``count``; (seconds answering, seconds caching)."""
+        started = time.perf_counter()
+        own = self.folder / ANSWERS_FILE
+        elsewhere = [path for path in answers_elsewhere(self.key) if path != own]
+        reused = portable_path(elsewhere[0]) if elsewhere and not own.is_file() else None
+        self.rows = generate_answers(loaded, spec, own, start_from=elsewhere[0] if elsewhere else None,
+                                     prompts=self.prompts() if self.prompts is not None else None)
+        answered = time.perf_counter()
+        if not self.count:
+            return answered - started, 0.0
+        learned = self.rows[: self.count]
+        train_seqs, held_seqs = answer_sequences(loaded.tokenizer, learned, spec)
+        cache_split(loaded.model, train_seqs, self.shards, "train", layers)
+        cache_split(loaded.model, held_seqs, self.shards, "heldout", layers)
+        self.counts = {"training_sequences": len(train_seqs), "held_out_sequences": len(held_seqs),
+                       "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in learned) / max(1, len(learned)),
+                                                   1),
+                       **({"kinds": sorted({r["kind"] for r in learned})} if self.prompts is not None else {}),
+                       "reused_from": reused}
+        return answered - started, time.perf_counter() - answered
+
+
+@dataclass
 class Split:
     """Cached sequences, concatenated: ``ids``, ``greedy`` [P], ``states`` [P, k*H]; sequence s is
     ``offsets[s] : offsets[s] + lengths[s]``, its answer starting at ``answer_starts[s]``."""
@@ -246,6 +301,7 @@ class Split:
 
     @staticmethod
     def join(parts: list[Split]) -> Split:
+        parts = [p for p in parts if len(p)] or parts[:1]  # an empty split's states have no width
         return Split(*(torch.cat([getattr(p, name) for p in parts]) for name in
                        ("ids", "greedy", "states", "lengths", "answer_starts")))
 
@@ -522,6 +578,8 @@ def train(settings: TrainSettings) -> dict:
         raise ValueError(f"--train-dtype {settings.train_dtype}: {' or '.join(TRAIN_DTYPES)}")
     if settings.init not in INITS:
         raise ValueError(f"--init {settings.init}: {' or '.join(INITS)}")
+    if settings.init_from is not None and settings.init != "random":
+        raise ValueError(f"--init {settings.init} and --init-from: a head starts one way")
     started = time.perf_counter()
     deadline = started + 60 * settings.time_budget_minutes if settings.time_budget_minutes else None
     spec = settings.corpus_spec()
@@ -529,6 +587,13 @@ def train(settings: TrainSettings) -> dict:
     model = loaded.model
     facts = target_facts(loaded)
     layers = default_hidden_layers(facts.num_layers)
+    lm_weight = output_weight(model)
+    start_head = None
+    if settings.init_from is not None:  # checked before any answer or cache is made
+        start_head = load_head(settings.init_from, facts, lm_head_weight=lambda: lm_weight)
+        if tuple(start_head.config.hidden_layers) != layers:
+            raise ValueError(f"--init-from {settings.init_from}: the head reads layers "
+                             f"{list(start_head.config.hidden_layers)}, this trainer caches {list(layers)}")
     folder = settings.cache_path()
     train_seqs, held_seqs = build_sequences(loaded.tokenizer, spec)
     logger.info("corpus: %d training and %d held-out sequences", len(train_seqs), len(held_seqs))
@@ -541,48 +606,30 @@ def train(settings: TrainSettings) -> dict:
     cache_split(model, held_seqs, folder, "heldout", layers)
     cache_seconds = time.perf_counter() - cache_started
     answer_seconds = 0.0
-    answer_counts: dict = {}
-    # the chat answers' file grows with larger sets; their shards belong to one count
-    chat_shards = settings.chat_answers_path() / f"shards-{settings.chat_answers}"
-    reused_answers = None
+    sets: list[AnswerSet] = []
     if settings.answers:
-        answer_started = time.perf_counter()
-        answers_folder = settings.answers_path()
-        own = answers_folder / ANSWERS_FILE
-        elsewhere = [path for path in answers_elsewhere(settings.answers_key()) if path != own]
-        reused_answers = portable_path(elsewhere[0]) if elsewhere and not own.is_file() else None
-        answers = generate_answers(loaded, spec, own, start_from=elsewhere[0] if elsewhere else None)
-        answer_seconds = time.perf_counter() - answer_started
-        answer_train, answer_held = answer_sequences(loaded.tokenizer, answers, spec)
-        cache_started = time.perf_counter()
-        cache_split(model, answer_train, answers_folder, "train", layers)
-        cache_split(model, answer_held, answers_folder, "heldout", layers)
-        cache_seconds += time.perf_counter() - cache_started
-        answer_counts = {"training_sequences": len(answer_train), "held_out_sequences": len(answer_held),
-                         "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in answers) / max(1, len(answers)),
-                                                     1),
-                         "reused_from": reused_answers}
-    chat_counts: dict = {}
-    if settings.chat_answers:
-        answer_started = time.perf_counter()
-        own = settings.chat_answers_path() / ANSWERS_FILE
-        elsewhere = [path for path in answers_elsewhere(settings.chat_answers_key()) if path != own]
-        reused_chat = portable_path(elsewhere[0]) if elsewhere and not own.is_file() else None
-        chat = generate_answers(loaded, spec, own, start_from=elsewhere[0] if elsewhere else None,
-                                prompts=chat_prompts(settings.chat_answers, settings.seed))
-        answer_seconds += time.perf_counter() - answer_started
-        chat_train, chat_held = answer_sequences(loaded.tokenizer, chat, spec)
-        cache_started = time.perf_counter()
-        cache_split(model, chat_train, chat_shards, "train", layers)
-        cache_split(model, chat_held, chat_shards, "heldout", layers)
-        cache_seconds += time.perf_counter() - cache_started
-        chat_counts = {"training_sequences": len(chat_train), "held_out_sequences": len(chat_held),
-                       "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in chat) / max(1, len(chat)), 1),
-                       "kinds": sorted({r["kind"] for r in chat}), "reused_from": reused_chat}
+        sets.append(AnswerSet("answers", settings.answers_key(), settings.answers_path(), settings.answers_path(),
+                              None, settings.answers))
+    chat_needed = max(settings.chat_answers, settings.passage_answers)  # passage prompts quote chat answers
+    if chat_needed:
+        # the chat answers' file grows with larger sets; their shards belong to one count
+        sets.append(AnswerSet("chat_answers", settings.chat_answers_key(), settings.chat_answers_path(),
+                              settings.chat_answers_path() / f"shards-{settings.chat_answers}",
+                              lambda: chat_prompts(chat_needed, settings.seed), settings.chat_answers))
+    for answer_set in sets:
+        seconds, cached = answer_set.prepare(loaded, spec, layers)
+        answer_seconds, cache_seconds = answer_seconds + seconds, cache_seconds + cached
+    if settings.passage_answers:
+        chat_rows = sets[-1].rows[: settings.passage_answers]
+        sets.append(AnswerSet("passage_answers", settings.passage_answers_key(), settings.passage_answers_path(),
+                              settings.passage_answers_path() / f"shards-{settings.passage_answers}",
+                              lambda: passage_prompts(chat_rows, settings.seed), settings.passage_answers))
+        seconds, cached = sets[-1].prepare(loaded, spec, layers)
+        answer_seconds, cache_seconds = answer_seconds + seconds, cache_seconds + cached
+    sets = [answer_set for answer_set in sets if answer_set.count]  # the sets the head learns from
 
     fields = head_fields(model, settings.draft_vocab_size, settings.intermediate_size)
     embed_weight = model.get_input_embeddings().weight.detach()
-    lm_weight = output_weight(model)
     final_norm = getattr(model.get_decoder(), "norm", None) if hasattr(model, "get_decoder") else None
     norm_weight = final_norm.weight.detach().clone() if isinstance(getattr(final_norm, "weight", None),
                                                                     torch.Tensor) else None
@@ -594,38 +641,41 @@ def train(settings: TrainSettings) -> dict:
 
     data, code_held = load_split(folder, "train"), load_split(folder, "heldout")
     code_positions = int(data.labels().numel())
-    if settings.answers:
-        answer_train_split = load_split(settings.answers_path(), "train")
-        answer_held_split = load_split(settings.answers_path(), "heldout")
-        answer_counts["training_positions"] = int(answer_train_split.labels().numel())
-        answer_counts["held_out_positions"] = int(answer_held_split.labels().numel())
+    held_splits: dict[str, Split] = {}
+    for answer_set in sets:
+        answer_train_split = load_split(answer_set.shards, "train")
+        held_splits[answer_set.name] = load_split(answer_set.shards, "heldout")
+        answer_set.counts["training_positions"] = int(answer_train_split.labels().numel())
+        answer_set.counts["held_out_positions"] = int(held_splits[answer_set.name].labels().numel())
         data = Split.join([data, answer_train_split])
         del answer_train_split
-    if settings.chat_answers:
-        chat_train_split, chat_held_split = load_split(chat_shards, "train"), load_split(chat_shards, "heldout")
-        chat_counts["training_positions"] = int(chat_train_split.labels().numel())
-        chat_counts["held_out_positions"] = int(chat_held_split.labels().numel())
-        data = Split.join([data, chat_train_split])
-        del chat_train_split
     labels = data.labels()
-    draft_ids = draft_vocabulary(labels, fields["draft_vocab_size"], fields["vocab_size"], eos_ids)
-    fields["draft_vocab_size"] = int(draft_ids.numel())
+    if start_head is not None:  # its draft vocabulary and sizes, as trained before
+        draft_ids = start_head.draft_ids.clone()
+        config = start_head.config
+    else:
+        draft_ids = draft_vocabulary(labels, fields["draft_vocab_size"], fields["vocab_size"], eos_ids)
+        fields["draft_vocab_size"] = int(draft_ids.numel())
+        config = EagleConfig(**fields, verifier=verifier, verifier_architectures=architectures)
     inside = torch.zeros(fields["vocab_size"], dtype=torch.bool)
     inside[draft_ids] = True
     coverage = float(inside[labels.long()].float().mean()) if labels.numel() else 0.0
     t2d = torch.full((fields["vocab_size"],), -1, dtype=torch.long)
     t2d[draft_ids] = torch.arange(draft_ids.numel())
-    config = EagleConfig(**fields, verifier=verifier, verifier_architectures=architectures)
 
     torch.manual_seed(settings.seed)
     head = EagleHead(config)
     with torch.no_grad():
-        head.draft_ids.copy_(draft_ids)
-        head.lm_head.weight.copy_(lm_weight[draft_ids].float())
-        if norm_weight is not None and norm_weight.shape == head.norm.weight.shape:
-            head.norm.weight.copy_(norm_weight.float())
-        if settings.init == "pass-through":
-            pass_through_init(head)
+        head.draft_ids.copy_(draft_ids)  # a buffer outside the state dict
+        if start_head is not None:
+            head.load_state_dict(start_head.state_dict())
+        else:
+            head.lm_head.weight.copy_(lm_weight[draft_ids].float())
+            if norm_weight is not None and norm_weight.shape == head.norm.weight.shape:
+                head.norm.weight.copy_(norm_weight.float())
+            if settings.init == "pass-through":
+                pass_through_init(head)
+    del start_head
     head.lm_head.weight.requires_grad_(False)  # the target's rows: shared, not stored
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=0.0)
@@ -645,9 +695,7 @@ def train(settings: TrainSettings) -> dict:
     epoch, position, step, trained_before = 0, 0, 0, 0.0
     last_losses: list[float] = []
     per_epoch: list[dict] = []  # held-out top-1 per step on the target's answers after each epoch
-    answer_splits = {name: split for name, split in (
-        ("chat_answers", chat_held_split if settings.chat_answers else None),
-        ("answers", answer_held_split if settings.answers else None)) if split is not None}
+    answer_splits = dict(reversed(held_splits.items()))  # the newest kind first, as the figures always were
 
     def epoch_figures(done: int) -> dict:
         rounded = copy.deepcopy(head).to(SHIP_DTYPE).float()  # the weights as they would be written
@@ -721,12 +769,8 @@ def train(settings: TrainSettings) -> dict:
     shipped = copy.deepcopy(head).to(SHIP_DTYPE).float()  # the weights as written
     held = {"standard_library": evaluate(shipped, embed_weight, code_held, settings.steps_unrolled,
                                          settings.batch_tokens)}
-    if settings.answers:
-        held["answers"] = evaluate(shipped, embed_weight, answer_held_split, settings.steps_unrolled,
-                                   settings.batch_tokens)
-    if settings.chat_answers:
-        held["chat_answers"] = evaluate(shipped, embed_weight, chat_held_split, settings.steps_unrolled,
-                                        settings.batch_tokens)
+    for name, split in held_splits.items():
+        held[name] = evaluate(shipped, embed_weight, split, settings.steps_unrolled, settings.batch_tokens)
     del shipped
     eval_seconds = time.perf_counter() - eval_started
     digest = save_head(head, settings.out, SHIP_DTYPE)
@@ -749,8 +793,8 @@ def train(settings: TrainSettings) -> dict:
             "training_files": len({s["file"] for s in train_seqs}),
             "held_out_files": len({s["file"] for s in held_seqs}),
         },
-        "answers": answer_counts or None,
-        "chat_answers": chat_counts or None,
+        **{name: next((a.counts for a in sets if a.name == name), None)
+           for name in ("answers", "chat_answers", "passage_answers")},
         "head": {
             "hidden_layers": list(config.hidden_layers),
             "intermediate_size": config.intermediate_size,
@@ -783,6 +827,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-answers", type=int, default=defaults.chat_answers,
                         help="chat prompts (advice, reasoning, writing, role play ...) the target answers too; a "
                              "larger set extends a smaller one's answers (0 = none)")
+    parser.add_argument("--passage-answers", type=int, default=defaults.passage_answers,
+                        help="prompts that quote the target's answers to the first N chat prompts and ask for a "
+                             "summary, a translation, an answer from the passage or an extraction (0 = none)")
     parser.add_argument("--steps-unrolled", type=int, default=defaults.steps_unrolled,
                         help="draft steps of the training-time test")
     parser.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size)
@@ -791,6 +838,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{MAX_HEAD_BYTES / 1e6:.0f} MB)")
     parser.add_argument("--init", default=defaults.init, choices=INITS,
                         help="pass-through: the head starts as the target's top layer's state read by its LM head")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="a head folder to train further (its sizes and draft vocabulary kept)")
     parser.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens,
                         help="tokens per optimizer step (whole sequences)")
     parser.add_argument("--train-dtype", default=defaults.train_dtype, choices=TRAIN_DTYPES,
