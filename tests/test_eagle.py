@@ -721,6 +721,9 @@ def test_the_bench_runs_the_eagle_modes(tmp_path, monkeypatch, capsys):
     assert len(figures["all"]["top1_per_step"]) == head_accuracy.STEPS
     assert figures["all"]["positions"] > 0 and 0.0 <= figures["all"]["inside_draft_vocab"] <= 1.0
     assert figures["by_category"]["coding"] == figures["all"]  # one category: the same figures
+    first = figures["all"]["first_draft"]  # the head's first draft scored at the same positions as step 1
+    assert first["head"] == figures["all"]["top1_per_step"][0]
+    assert max(first["head"], first["prompt_lookup"]) <= first["either"] <= 1.0 and "lookup  either" in printed
     # files that are not results, or results without a plain run: one line, exit 2
     for text, message in (("{", "cannot read"), ("[]", "not a bench results file"),
                           (json.dumps({"config": {}, "results": []}), "no plain run"),

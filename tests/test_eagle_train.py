@@ -361,7 +361,8 @@ def test_passage_answers_join_the_corpus_and_a_head_trains_further_from_another(
     first = train(tiny_settings(tmp_path, pair, answers=0, epochs=1, out=tmp_path / "first"))
     # no library text at all: a head trained further on the passage answers alone
     settings = tiny_settings(tmp_path, pair, answers=0, passage_answers=5, epochs=1, learning_rate=1e-3,
-                             draft_vocab_size=32, init_from=tmp_path / "first", sequences=0, held_out_sequences=0)
+                             draft_vocab_size=32, init_from=tmp_path / "first", sequences=0, held_out_sequences=0,
+                             cache_dir=tmp_path / "cache-passages")
     report = train(settings)
     # the chat prompts are answered (the passages), only the passage answers are learned from
     chat_rows = [json.loads(line) for line in (settings.chat_answers_path() / "answers.jsonl").read_text().splitlines()]
@@ -372,6 +373,7 @@ def test_passage_answers_join_the_corpus_and_a_head_trains_further_from_another(
     chat_rows.sort(key=lambda row: row["index"])
     assert [row["prompt"] for row in passage_rows] == [p.text for p in passage_prompts(chat_rows, seed=0)]
     assert report["chat_answers"] is None and report["passage_answers"]["held_out_sequences"] == 2  # 0 and 3
+    assert "standard_library" not in report["held_out"]  # no library text held out: no empty figure
     figures = report["held_out"]["passage_answers"]
     assert len(figures["top1_per_step"]) == 3 and all(0.0 <= a <= 1.0 for a in figures["top1_per_step"])
     # trained further: the first head's draft vocabulary and sizes, other weights
@@ -386,6 +388,23 @@ def test_passage_answers_join_the_corpus_and_a_head_trains_further_from_another(
         heads[0].draft_ids, heads[0].config)
     with pytest.raises(ValueError, match="EAGLE head not found"):
         train(tiny_settings(tmp_path, pair, answers=0, init_from=tmp_path / "nothing-here"))
+
+
+def test_prompt_lookup_is_scored_where_the_head_is_and_follows_its_last_right_copy():
+    from specdemo.training.head_accuracy import first_draft_hits
+
+    head = random_head()
+    # the answer (from position 6) copies the prompt: lookup is right at each copied token after the first
+    ids = torch.tensor([5, 6, 7, 8, 9, 11, 5, 6, 7, 8, 9], dtype=torch.int32)
+    greedy = torch.cat([ids[1:], torch.tensor([2], dtype=torch.int32)])
+    split = Split(ids, greedy, torch.randn(len(ids), 192).to(torch.bfloat16), torch.tensor([len(ids)]),
+                  torch.tensor([6]))
+    embed = torch.randn(320, 64)
+    head_hits, lookup_hits = first_draft_hits(head, embed, split)
+    batch = make_batch(split, [0], 1)
+    labelled = int((batch.labels[0, batch.active] >= 0).sum())
+    assert head_hits.numel() == lookup_hits.numel() == labelled == 5  # rows drafting 6, 7, 8, 9 and 2
+    assert lookup_hits.tolist() == [True, True, True, True, False]  # 2 never occurred before
 
 
 def test_the_command_line_lists_one_flag_per_setting(capsys):

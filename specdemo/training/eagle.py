@@ -768,7 +768,7 @@ def train(settings: TrainSettings) -> dict:
     eval_started = time.perf_counter()
     shipped = copy.deepcopy(head).to(SHIP_DTYPE).float()  # the weights as written
     held = {"standard_library": evaluate(shipped, embed_weight, code_held, settings.steps_unrolled,
-                                         settings.batch_tokens)}
+                                         settings.batch_tokens)} if len(code_held) else {}
     for name, split in held_splits.items():
         held[name] = evaluate(shipped, embed_weight, split, settings.steps_unrolled, settings.batch_tokens)
     del shipped

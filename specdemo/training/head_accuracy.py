@@ -6,7 +6,8 @@ output (``prompt_ids``, ``new_token_ids``). The target runs once over each with 
 run used (or ``--dtype``), and the head (the shipped one, or ``--eagle-head``, in the format a race would run it
 in) is scored as the trainer scores its held-out text (:func:`~specdemo.training.eagle.evaluate`): top-1 per draft
 step against the target's greedy token, and the mean accepted drafts of greedy chains; per category and over all,
-with the share of the target's tokens inside the head's draft vocabulary. Set beside the trainer's held-out figures
+with the share of the target's tokens inside the head's draft vocabulary, and how often the head's first draft,
+prompt lookup's (the n-gram drafter's) or either of them is right at the same positions. Set beside the trainer's held-out figures
 (``training.json``), these say whether a head falls short on a benchmark because of what it learned from. Nothing
 here trains, and nothing is written but ``--json``.
 """
@@ -26,8 +27,9 @@ from ..backends.offline import OfflinePackError
 from ..core.errors import InputError, first_line
 from ..core.files import write_json_atomic
 from ..methods.eagle import head_for
+from ..methods.ngram import NgramDrafter, NgramOptions
 from ..session.results import PlainRun, read_plain_runs
-from .eagle import Split, evaluate, sequence_states
+from .eagle import Split, evaluate, make_batch, sequence_states, unrolled_forward
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,30 @@ def target_splits(model, runs: list[PlainRun], layers: tuple[int, ...], vocab_si
     return splits
 
 
+def first_draft_hits(head, embed: torch.Tensor, split: Split) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each answer position of a one-sequence ``split`` that has a label: whether the head's first draft is
+    the target's greedy token, and whether prompt lookup's is (the n-gram drafter with its defaults, over the
+    prompt and the answer so far, following its last right copy as the drafter does after an accepted draft)."""
+    batch = make_batch(split, [0], 1)
+    predicted = head.draft_ids[head.logits(unrolled_forward(head, embed, batch, 1)[0]).argmax(-1)]
+    ids = split.ids.tolist()
+    defaults = NgramOptions()
+    index = NgramDrafter(defaults.ngram_min, defaults.ngram_max, defaults.ngram_prefer).index
+    follow_from = None
+    head_hits, lookup_hits = [], []
+    for row in torch.nonzero(batch.active).flatten().tolist():
+        label = int(batch.labels[0, row])
+        if label < 0:
+            continue
+        index.extend(ids[: row + 2])  # row i reads token i + 1 and drafts the token after it
+        copied, source = index.find(1, follow_from)
+        lookup_right = bool(copied) and copied[0] == label
+        follow_from = source + 1 if lookup_right else follow_from
+        head_hits.append(int(predicted[row]) == label)
+        lookup_hits.append(lookup_right)
+    return torch.tensor(head_hits, dtype=torch.bool), torch.tensor(lookup_hits, dtype=torch.bool)
+
+
 def head_accuracy(results: Path, eagle_head: str | None = None, dtype: str | None = None) -> dict[str, Any]:
     """The head's figures on the results file's plain outputs: ``{"target", "dtype", "head_format",
     "by_category": {category: figures}, "all": figures}``, figures as :func:`~specdemo.training.eagle.evaluate`
@@ -75,11 +101,18 @@ def head_accuracy(results: Path, eagle_head: str | None = None, dtype: str | Non
     embed = loaded.model.get_input_embeddings().weight.to(head.dtype)
     inside = torch.zeros(vocab_size, dtype=torch.bool)
     inside[head.draft_ids] = True
+    with torch.inference_mode():
+        hits = [first_draft_hits(head, embed, split) for split in splits]
 
     def figures(members: list[int]) -> dict[str, Any]:
         scored = evaluate(head, embed, Split.join([splits[s] for s in members]), STEPS, batch_tokens=2048)
         answers = torch.cat([torch.tensor(runs[s].new_token_ids) for s in members])
-        return {"answers": len(members), **scored, "inside_draft_vocab": round(float(inside[answers].float().mean()), 4)}
+        head_hits = torch.cat([hits[s][0] for s in members])
+        lookup_hits = torch.cat([hits[s][1] for s in members])
+        share = (lambda right: round(float(right.float().mean()), 4) if right.numel() else 0.0)
+        return {"answers": len(members), **scored, "inside_draft_vocab": round(float(inside[answers].float().mean()), 4),
+                "first_draft": {"head": share(head_hits), "prompt_lookup": share(lookup_hits),
+                                "either": share(head_hits | lookup_hits)}}
 
     categories: dict[str, list[int]] = {}
     for index, run in enumerate(runs):
@@ -92,11 +125,13 @@ def head_accuracy(results: Path, eagle_head: str | None = None, dtype: str | Non
 
 def table(report: dict[str, Any]) -> str:
     lines = [f"{'category':22s} {'answers':>7s} {'positions':>9s} {'in vocab':>8s}  top-1 by draft step   "
-             f"accepted (chain of {STEPS})"]
+             f"accepted (chain of {STEPS})  first draft: lookup  either"]
     for name, row in [*report["by_category"].items(), ("all", report["all"])]:
         steps = " ".join(f"{value:.2f}" for value in row["top1_per_step"])
+        first = row["first_draft"]
         lines.append(f"{name:22s} {row['answers']:7d} {row['positions']:9d} {row['inside_draft_vocab']:8.2f}  "
-                     f"{steps:20s}  {row['mean_accepted_drafts'][-1]:.2f}")
+                     f"{steps:20s}  {row['mean_accepted_drafts'][-1]:20.2f}  {first['prompt_lookup']:18.2f}  "
+                     f"{first['either']:6.2f}")
     return "\n".join(lines)
 
 
