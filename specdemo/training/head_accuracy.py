@@ -27,7 +27,7 @@ from ..backends.offline import OfflinePackError
 from ..core.errors import InputError, first_line
 from ..core.files import write_json_atomic
 from ..methods.eagle import head_for
-from ..methods.ngram import NgramDrafter, NgramOptions
+from ..methods.ngram import NgramIndex, NgramOptions
 from ..session.results import PlainRun, read_plain_runs
 from .eagle import Split, evaluate, make_batch, sequence_states, unrolled_forward
 
@@ -68,7 +68,7 @@ def first_draft_hits(head, embed: torch.Tensor, split: Split) -> tuple[torch.Ten
     predicted = head.draft_ids[head.logits(unrolled_forward(head, embed, batch, 1)[0]).argmax(-1)]
     ids = split.ids.tolist()
     defaults = NgramOptions()
-    index = NgramDrafter(defaults.ngram_min, defaults.ngram_max, defaults.ngram_prefer).index
+    index = NgramIndex(defaults.ngram_min, defaults.ngram_max, defaults.ngram_prefer)
     follow_from = None
     head_hits, lookup_hits = [], []
     for row in torch.nonzero(batch.active).flatten().tolist():
