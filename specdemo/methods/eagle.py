@@ -552,25 +552,28 @@ def _resolve_folder(source: str | Path) -> Path:
     raise EagleLoadError(f"EAGLE head not found: {text} is neither a folder nor a Hub id")
 
 
-def _read_state(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    for name in WEIGHTS_NAMES:
-        path = folder / name
-        if not path.is_file():
-            continue
-        try:
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
+def weights_file(folder: Path) -> Path | None:
+    """A head folder's weights file: the first of :data:`WEIGHTS_NAMES` there (None: none)."""
+    return next((folder / name for name in WEIGHTS_NAMES if (folder / name).is_file()), None)
 
-                state = load_file(str(path))
-            else:
-                state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # a corrupt or foreign file: one line, not a traceback
-            raise EagleLoadError(f"cannot read the EAGLE head {path}: {type(error).__name__}: "
-                                 f"{first_line(error)}") from None
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise EagleLoadError(f"{path} holds no tensor dictionary of an EAGLE head")
-        return state, path
-    raise EagleLoadError(f"no EAGLE head weights in {folder}: expected {' or '.join(WEIGHTS_NAMES)}")
+
+def _read_state(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    path = weights_file(folder)
+    if path is None:
+        raise EagleLoadError(f"no EAGLE head weights in {folder}: expected {' or '.join(WEIGHTS_NAMES)}")
+    try:
+        if path.name.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a corrupt or foreign file: one line, not a traceback
+        raise EagleLoadError(f"cannot read the EAGLE head {path}: {type(error).__name__}: "
+                             f"{first_line(error)}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise EagleLoadError(f"{path} holds no tensor dictionary of an EAGLE head")
+    return state, path
 
 
 def _draft_ids(state: dict[str, torch.Tensor], config: EagleConfig, path: Path) -> torch.Tensor:

@@ -49,7 +49,6 @@ from tqdm import tqdm
 from ..backends.formats import output_rows, output_weight
 from ..core.files import atomic_path, file_sha256
 from ..methods.eagle import (
-    WEIGHTS_NAMES,
     EagleConfig,
     EagleHead,
     _llama_fields,
@@ -57,6 +56,7 @@ from ..methods.eagle import (
     load_head,
     save_head,
     target_facts,
+    weights_file,
 )
 from .common import (
     ANSWERS_FILE,
@@ -177,10 +177,8 @@ def head_fields(model, draft_vocab_size: int, intermediate_size: int) -> dict:
 
 def _weights_digest(source: Path) -> str:
     """What names a starting head in the training key: its weights file's sha256 (else the name as given)."""
-    for name in WEIGHTS_NAMES:
-        if (Path(source) / name).is_file():
-            return file_sha256(Path(source) / name)
-    return str(source)
+    path = weights_file(Path(source))
+    return file_sha256(path) if path is not None else str(source)
 
 
 def head_bytes(config: EagleConfig) -> int:
