@@ -293,6 +293,8 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
             entry["mean_draft_length"] = metrics.mean_draft_length  # for a tree: its nodes per round
             total = Counters.total(mode_counters)
             entry["tokens_per_target_pass"] = total.new_tokens / total.target_passes if total.target_passes else None
+            if total.accepted_by_source:  # a drafter with several parts (EAGLE's head and its lookup branch)
+                entry["accepted_by_source"] = dict(sorted(total.accepted_by_source.items()))
             if METHODS[mode].needs_hidden_states:  # heads on the target: head k's acceptance, given the heads before
                 entry["per_head_acceptance"] = metrics.conditional_acceptance
             if plain_counters is not None:
@@ -532,6 +534,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--eagle-head", help="EAGLE-3 head for the eagle modes: a folder (this project's, EAGLE-3's or speculators' "
         "layout) or a Hub id (default: the head shipped for the target, or the pair preset's)",
     )
+    parser.add_argument(
+        "--eagle-lookup", choices=["on", "off"], default="on", help="the eagle mode's tree also holds prompt lookup's "
+        "continuation as one more branch (the --ngram-* settings choose it); off: the head's candidates alone",
+    )
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -620,6 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ngram_max=args.ngram_max,
             medusa_heads=args.medusa_heads,
             eagle_head=eagle_head,
+            eagle_lookup=args.eagle_lookup == "on",
         )
         spec.validate()
         SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed).validate()

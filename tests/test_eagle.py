@@ -18,9 +18,10 @@ from specdemo.backends.loading import LoadedModel, LoadSettings
 from specdemo.backends.transformers_lm import CachedLM
 from specdemo.core.acceptance import target_distribution
 from specdemo.core.errors import InputError
-from specdemo.core.events import ACCEPTED
+from specdemo.core.events import ACCEPTED, DRAFTED_BY_BOTH, DRAFTED_BY_HEAD, DRAFTED_BY_LOOKUP
 from specdemo.core.loop import collect, plain_decode, speculative_decode
 from specdemo.core.settings import GenerationSettings, SamplingSettings
+from specdemo.core.tree import add_branch
 from specdemo.methods import (
     METHODS,
     SpecSettings,
@@ -42,7 +43,7 @@ from specdemo.methods.eagle import (
     target_facts,
 )
 from specdemo.methods.medusa import MedusaDrafter
-from specdemo.methods.ngram import NgramDrafter
+from specdemo.methods.ngram import LookupBranch, NgramDrafter
 from specdemo.session.pipeline import plain_events, spec_events
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -128,12 +129,18 @@ def plain_ids(model, prompt, settings, eos=()):
     return collect(plain_decode(CachedLM(model), prompt, settings, eos)).new_token_ids
 
 
-def policy_and_drafter(model, head, tree: bool, budget):
-    """The run's policy and drafter as the method builds them: a TreeBudget sizing each tree for adaptive trees."""
+#: the drafter shapes the exactness tests go through: a chain, a tree, and a tree with prompt lookup's branch
+SHAPES = {"chain": (False, False), "tree": (True, False), "tree+lookup": (True, True)}
+
+
+def policy_and_drafter(model, head, tree: bool, budget, lookup: bool = False):
+    """The run's policy and drafter as the method builds them: a TreeBudget sizing each tree for adaptive trees;
+    ``lookup``: the tree holds prompt lookup's branch too."""
+    branch = LookupBranch() if lookup else None
     if budget == "adaptive" and tree:
         policy = TreeBudget(max_num_draft_tokens=8)
-        return policy, drafter(model, head, tree, verify_cost=policy.verify_cost)
-    return make_policy(budget, 8, free_drafts=True), drafter(model, head, tree)
+        return policy, drafter(model, head, tree, verify_cost=policy.verify_cost, lookup=branch)
+    return make_policy(budget, 8, free_drafts=True), drafter(model, head, tree, lookup=branch)
 
 
 def loaded(model, source: str = "tiny-llama") -> LoadedModel:
@@ -221,17 +228,18 @@ def test_only_an_eagle_run_asks_the_target_for_layers():
 
 
 @pytest.mark.parametrize("name", sorted(TARGETS))
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("kind", ["random", "trained"])
-def test_greedy_eagle_output_equals_the_target_alone(trained, name, tree, kind):
+def test_greedy_eagle_output_equals_the_target_alone(trained, name, shape, kind):
     model, fitted = trained[name]
+    tree, lookup = SHAPES[shape]
     head = fitted if kind == "trained" else random_head(model, seed=4)
     settings = GenerationSettings(max_new_tokens=24)
     accepted = 0
     for prompt in PROMPTS:
         expected = plain_ids(model, prompt, settings)
         for budget in (1, 3, 8, "adaptive"):
-            policy, eagle_drafter = policy_and_drafter(model, head, tree, budget)
+            policy, eagle_drafter = policy_and_drafter(model, head, tree, budget, lookup)
             final = collect(speculative_decode(CachedLM(model), eagle_drafter, policy, prompt, settings))
             assert final.new_token_ids == expected, (prompt, budget)
             assert eagle_drafter._cache.length == eagle_drafter._committed  # drafted positions rolled back
@@ -291,20 +299,25 @@ def test_a_tree_stops_growing_when_no_deeper_step_could_pay(trained):
     assert steps[1] >= 2
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_every_length_limit_and_eos_inside_an_accepted_path(trained, tree):
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_length_limit_and_eos_inside_an_accepted_path(trained, shape):
     model, head = trained["llama"]
+    tree, lookup = SHAPES[shape]
     prompt = PROMPTS[0]
     full = plain_ids(model, prompt, GenerationSettings(max_new_tokens=20))
+
+    def new_drafter():
+        return drafter(model, head, tree, lookup=LookupBranch() if lookup else None)
+
     for limit in range(1, 13):
-        final = collect(speculative_decode(CachedLM(model), drafter(model, head, tree), FixedDraftLength(6), prompt,
+        final = collect(speculative_decode(CachedLM(model), new_drafter(), FixedDraftLength(6), prompt,
                                            GenerationSettings(max_new_tokens=limit)))
         assert final.new_token_ids == full[:limit], limit
     cut_inside = 0
     for eos_at in range(1, 14):
         eos = [full[eos_at]]
         expected = plain_ids(model, prompt, GenerationSettings(max_new_tokens=20), eos)
-        events = list(speculative_decode(CachedLM(model), drafter(model, head, tree), FixedDraftLength(6), prompt,
+        events = list(speculative_decode(CachedLM(model), new_drafter(), FixedDraftLength(6), prompt,
                                          GenerationSettings(max_new_tokens=20), eos))
         assert events[-1].new_token_ids == expected and events[-1].finish_reason == "eos"
         last = events[-1]
@@ -315,9 +328,10 @@ def test_every_length_limit_and_eos_inside_an_accepted_path(trained, tree):
 
 @pytest.mark.parametrize(("fmt", "head_dtype"), [(INT8, torch.bfloat16), (W8A8, torch.float32),
                                                 (W8A8, torch.bfloat16)])
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_eagle_in_the_int8_formats_equals_plain_decoding_in_that_format(trained, tree, fmt, head_dtype):
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_eagle_in_the_int8_formats_equals_plain_decoding_in_that_format(trained, shape, fmt, head_dtype):
     _, fitted = trained["llama"]
+    tree, lookup = SHAPES[shape]
     target = to_int8_format(llama(1), fmt)
     head = copy.deepcopy(fitted).to(head_dtype)  # the target's dtype, or bfloat16 beside w8a8 (the faster here)
     settings = GenerationSettings(max_new_tokens=24)
@@ -325,7 +339,7 @@ def test_eagle_in_the_int8_formats_equals_plain_decoding_in_that_format(trained,
     for prompt in PROMPTS:
         expected = plain_ids(target, prompt, settings)
         for budget in (3, 8, "adaptive"):
-            policy, eagle_drafter = policy_and_drafter(target, head, tree, budget)
+            policy, eagle_drafter = policy_and_drafter(target, head, tree, budget, lookup)
             final = collect(speculative_decode(CachedLM(target), eagle_drafter, policy, prompt, settings))
             assert final.new_token_ids == expected, (prompt, budget)
             accepted += final.counters.accepted
@@ -763,3 +777,45 @@ def test_a_tree_is_verified_best_path_first():
     place = {node: index for index, node in enumerate(order)}
     assert all(parent < 0 or place[parent] < place[node] for node, parent in enumerate(ranked_parents))
     assert _best_path_first([]) == [] and _best_path_first([-1, 0, 1]) == [0, 1, 2]
+
+
+def test_a_branch_joins_a_tree_where_it_follows_it_and_grows_where_it_leaves():
+    # the tree, best first: 10 (0.6) and 11 (0.3) at the root; 20 (0.4) after 10; 30 (0.2) after 20
+    tokens, parents, probs = [10, 20, 11, 30], [-1, 0, -1, 1], [0.6, 0.4, 0.3, 0.2]
+    merged = add_branch(tokens, parents, probs, [10, 21, 31], [0.5, 0.45, 0.35])
+    # 10 is shared (0.6 kept), 21 after 10 (0.45) and 31 after it (0.35) are new nodes
+    assert merged.tokens == [10, 21, 20, 31, 11, 30]
+    assert merged.parents == [-1, 0, 0, 1, -1, 2]
+    assert merged.probs == [0.6, 0.45, 0.4, 0.35, 0.3, 0.2]
+    assert merged.sources == ["both", "branch", "tree", "branch", "tree", "tree"]
+    assert merged.tree_nodes == [0, -1, 1, -1, 2, 3]
+    assert merged.cut(3).tokens == [10, 21, 20] and merged.cut(3).parents == [-1, 0, 0]
+    # a branch that is the tree's best path lifts it; one that starts elsewhere is a second root
+    lifted = add_branch(tokens, parents, probs, [10, 20, 30], [0.9, 0.8, 0.7])
+    assert lifted.tokens == [10, 20, 30, 11] and lifted.probs == [0.9, 0.8, 0.7, 0.3]
+    assert lifted.sources == ["both", "both", "both", "tree"] and lifted.parents == [-1, 0, 1, -1]
+    apart = add_branch(tokens, parents, probs, [12], [0.1])
+    assert apart.tokens == tokens + [12] and apart.parents == parents + [-1]
+    assert add_branch([], [], [], [5, 6], [0.3, 0.1]).parents == [-1, 0]  # a branch alone: a chain
+
+
+def test_the_lookup_branch_drafts_beside_the_head_and_its_tokens_say_so(trained):
+    """A head that is mostly wrong (random) beside a prompt that repeats itself: prompt lookup's branch is accepted
+    whole stretches at a time, its tokens marked as drafted by it, and the output is still the target's."""
+    model, _ = trained["llama"]
+    head = random_head(model, seed=4)
+    settings = GenerationSettings(max_new_tokens=24)
+    prompt = PROMPTS[2]
+    expected = plain_ids(model, prompt, settings)
+    runs = {}
+    for lookup in (False, True):
+        policy, eagle_drafter = policy_and_drafter(model, head, True, 8, lookup=lookup)
+        events = list(speculative_decode(CachedLM(model), eagle_drafter, policy, prompt + expected[:12], settings))
+        runs[lookup] = events
+    assert all(events[-1].new_token_ids == plain_ids(model, prompt + expected[:12], settings)
+               for events in runs.values())
+    sources = {token.source for event in runs[True] for token in event.tokens if token.kind == ACCEPTED}
+    assert DRAFTED_BY_LOOKUP in sources or DRAFTED_BY_BOTH in sources
+    assert sources <= {DRAFTED_BY_HEAD, DRAFTED_BY_LOOKUP, DRAFTED_BY_BOTH}
+    assert all(token.source is None for event in runs[False] for token in event.tokens + event.rejected)
+    assert runs[True][-1].counters.accepted > runs[False][-1].counters.accepted

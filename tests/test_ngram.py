@@ -1,8 +1,10 @@
 """The n-gram (prompt lookup) matcher."""
 
+import pytest
+
 from specdemo.core.acceptance import Verdict
 from specdemo.core.protocol import Proposal, RoundResult
-from specdemo.methods.ngram import NgramDrafter, NgramIndex
+from specdemo.methods.ngram import LOOKUP_DEPTHS, LOOKUP_PRIOR, LookupBranch, NgramDrafter, NgramIndex
 
 
 def test_longest_suffix_match_wins():
@@ -110,3 +112,35 @@ def test_drafter_interface():
     assert drafter.propose([1, 2, 3, 1, 2], 4).tokens == [3, 1, 2]
     assert drafter.propose([1, 2, 3, 1, 2], 0).tokens == []
     assert drafter.propose([1, 2, 3, 1, 2], 4).draft_probs is None
+
+
+def test_a_lookup_branch_learns_its_rates_per_position_from_what_the_target_wrote():
+    branch = LookupBranch(1, 2)
+    start = LOOKUP_PRIOR[0] / LOOKUP_PRIOR[1]
+    context = [1, 2, 3, 4, 5, 9, 1, 2]
+    tokens, probs = branch.propose(context, 4)
+    assert tokens == [3, 4, 5, 9]
+    assert probs == pytest.approx([start, start**2, start**3, start**4])  # path probabilities: rates multiplied
+    # the target accepted 3, 4, then wrote 7 where the branch had 5: positions 0, 1 right, position 2 wrong
+    assert branch.feedback([3, 4], 7) == 2
+    rates = branch.rates(2)  # the copy followed a 2-gram (1, 2)
+    assert rates[0] > start and rates[1] > start and rates[2] < start
+    assert rates[3:] == [start] * (LOOKUP_DEPTHS - 3)  # position 3 was not tested: the first 3 were not all right
+    # an unverified branch still learns from the target's own token: here it named it (position 0 right)
+    tokens, _ = branch.propose([1, 2, 3, 1, 2], 3)
+    before = branch.rates(2)[0]
+    assert branch.feedback([], tokens[0]) == 0
+    assert branch.rates(2)[0] > before
+    assert branch.rates(1) == branch.rates(3) == [start] * LOOKUP_DEPTHS  # other match lengths learn apart
+
+
+def test_a_lookup_branch_follows_its_accepted_copies_and_starts_over():
+    #          0  1  2  3  4  5  6  7
+    context = [8, 5, 8, 6, 8, 7, 9, 8]
+    branch = LookupBranch(1, 2)
+    assert branch.propose(context, 2)[0] == [7, 9]  # the most recent occurrence of (8), which ends at 4
+    assert branch.feedback([], 1) == 0 and branch._follow_from is None  # nothing accepted: no copy to follow
+    branch.propose(context, 2)
+    assert branch.feedback([7], 9) == 1 and branch._follow_from == 5  # one copied token accepted
+    branch.start()
+    assert branch._follow_from is None and branch.propose(context, 2)[0] == [7, 9]

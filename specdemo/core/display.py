@@ -102,6 +102,7 @@ class EventMaker:
     ) -> RoundEvent:
         """A verify round: the accepted draft tokens, the target's own token and the draft tokens turned down."""
         verdict, tokens, draft_probs = done.verdict, done.proposal.tokens, done.proposal.draft_probs
+        sources = done.proposal.sources
         chain = done.proposal.parents is None
         parents = chain_parents(len(tokens)) if chain else done.proposal.parents
         target_probs = done.target_probs
@@ -128,6 +129,7 @@ class EventMaker:
                     done.index,
                     _prob(draft_probs, path[position], token_id) if is_draft else None,
                     _prob(target_probs, rows[position], token_id),
+                    sources[path[position]] if is_draft and sources is not None else None,
                 )
             )
         rejected: list[TokenEvent] = []
@@ -146,6 +148,7 @@ class EventMaker:
                         done.index,
                         _prob(draft_probs, node, token_id),
                         _prob(target_probs, rows[-1], token_id) if order == 0 or not chain else None,
+                        sources[node] if sources is not None else None,
                     )
                 )
         event = RoundEvent(

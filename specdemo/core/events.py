@@ -13,6 +13,8 @@ logger = logging.getLogger(__name__)
 
 #: how a token came to be
 ACCEPTED, CORRECTED, BONUS, PLAIN, REJECTED = "accepted", "corrected", "bonus", "plain", "rejected"
+#: which part of a drafter proposed a draft token, where a drafter has several (EAGLE's head and its lookup branch)
+DRAFTED_BY_HEAD, DRAFTED_BY_LOOKUP, DRAFTED_BY_BOTH = "head", "lookup", "head+lookup"
 
 
 @dataclass
@@ -25,6 +27,8 @@ class TokenEvent:
     round: int
     draft_prob: float | None = None
     target_prob: float | None = None
+    #: for a draft token of a drafter with several parts, which proposed it (see DRAFTED_BY_HEAD ...)
+    source: str | None = None
 
 
 @dataclass
@@ -45,6 +49,8 @@ class Counters:
     drafted_at: list[int] = field(default_factory=list)  # per draft position: how often a token was drafted there
     accepted_at: list[int] = field(default_factory=list)  # ... and accepted there
     tested_at: list[int] = field(default_factory=list)  # ... and checked there (every earlier one accepted)
+    #: accepted draft tokens by the part of the drafter that proposed them (drafters with several parts only)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
 
     def snapshot(self) -> "Counters":
         """A copy that later rounds do not change."""
@@ -55,17 +61,27 @@ class Counters:
             drafted_at=list(self.drafted_at),
             accepted_at=list(self.accepted_at),
             tested_at=list(self.tested_at),
+            accepted_by_source=dict(self.accepted_by_source),
         )
 
     @property
     def seconds(self) -> float:
         return self.prefill_seconds + self.draft_seconds + self.verify_seconds
 
-    def record_round(self, num_draft_tokens: int, num_accepted: int, num_written: int, depth: int | None = None) -> None:
+    def record_round(
+        self,
+        num_draft_tokens: int,
+        num_accepted: int,
+        num_written: int,
+        depth: int | None = None,
+        sources: Sequence[str] = (),
+    ) -> None:
         """One verify round: ``num_draft_tokens`` tokens drafted (tree nodes), ``num_accepted`` of them accepted (the
         accepted path's length), ``num_written`` tokens written; per-position counts go by depth (a chain's depth is
-        its length)."""
+        its length); ``sources``: who drafted each accepted token, for a drafter with several parts."""
         depth = num_draft_tokens if depth is None else depth
+        for source in sources:
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + 1
         self.rounds += 1
         self.target_passes += 1
         self.drafted += num_draft_tokens
@@ -102,6 +118,8 @@ class Counters:
                 mine.extend([0] * (len(theirs) - len(mine)))
                 for position, count in enumerate(theirs):
                     mine[position] += count
+            for source, count in run.accepted_by_source.items():
+                total.accepted_by_source[source] = total.accepted_by_source.get(source, 0) + count
         return total
 
 

@@ -112,7 +112,8 @@ def _draft(drafter: Drafter, context: Sequence[int], num_draft_tokens: int) -> P
     tokens = [int(t) for t in proposal.tokens[:num_draft_tokens]]
     parents = None if is_chain(proposal.parents) else list(proposal.parents or ())[: len(tokens)]
     probs = proposal.draft_probs[: len(tokens)] if proposal.draft_probs is not None else None
-    return Proposal(tokens, probs, proposal.catch_up_seconds, parents)
+    sources = list(proposal.sources[: len(tokens)]) if proposal.sources is not None else None
+    return Proposal(tokens, probs, proposal.catch_up_seconds, parents, sources)
 
 
 def _accept(
@@ -234,7 +235,8 @@ def speculative_decode(
         written = output.admit([proposal.tokens[node] for node in verdict.accepted_nodes] + [verdict.next_token])
         context.extend(written)
         depth = max(tree_depths(parents), default=-1) + 1
-        counters.record_round(len(draft), verdict.num_accepted, verdict.num_accepted + 1, depth)
+        sources = [proposal.sources[node] for node in verdict.accepted_nodes] if proposal.sources else ()
+        counters.record_round(len(draft), verdict.num_accepted, verdict.num_accepted + 1, depth, sources)
         counters.new_tokens = len(output.ids)
         done = VerifyRound(
             round_index, proposal, target_pass.logits, target_probs, verdict, written, draft_seconds, verify_seconds

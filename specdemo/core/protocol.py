@@ -74,6 +74,8 @@ class Proposal:
     #: part of drafting's cost but not of its cost per drafted token
     catch_up_seconds: float = 0.0
     parents: list[int] | None = None
+    #: for a drafter with several parts, which proposed each token (None: the drafter is one part)
+    sources: list[str] | None = None
 
 
 @dataclass

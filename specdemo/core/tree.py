@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -84,3 +85,66 @@ def build_tree(
             heapq.heappush(frontier, (negative * probs[depth + 1][0], counter, depth + 1, 0, node, -negative))
             counter += 1
     return tokens, parents, scores
+
+
+@dataclass
+class MergedTree:
+    """A tree of candidates joined with a branch from another source (see :func:`add_branch`), best first: each
+    node's token, parent, path probability, source ("tree", "branch" or "both") and index in the tree it came from
+    (-1 for a node of the branch alone)."""
+
+    tokens: list[int]
+    parents: list[int]
+    probs: list[float]
+    sources: list[str]
+    tree_nodes: list[int]
+
+    def cut(self, count: int) -> "MergedTree":
+        """The first ``count`` nodes (a tree again: parents come first)."""
+        return MergedTree(self.tokens[:count], self.parents[:count], self.probs[:count], self.sources[:count],
+                          self.tree_nodes[:count])
+
+
+def add_branch(
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    probs: Sequence[float],
+    branch_tokens: Sequence[int],
+    branch_probs: Sequence[float],
+) -> MergedTree:
+    """A tree of candidates (best first: ``parents[i]`` < i, path probabilities ``probs`` that never rise from a
+    parent to its child) with one more chain of candidates from another source, ``branch_tokens`` from the root
+    with their path probabilities ``branch_probs`` (falling along the chain).
+
+    Where the branch follows the tree's nodes it joins them (a node both hold keeps the higher of its two
+    probabilities); where it leaves them it grows new nodes. The result is best first again, parents before
+    children; ties keep the tree's order and put shallower nodes first.
+    """
+    merged_tokens, merged_parents, merged_probs = list(tokens), list(parents), [float(p) for p in probs]
+    sources = ["tree"] * len(merged_tokens)
+    depths = tree_depths(merged_parents)
+    child = {(parent, token): node for node, (parent, token) in enumerate(zip(merged_parents, merged_tokens))}
+    at = -1
+    for token, prob in zip(branch_tokens, branch_probs):
+        node = child.get((at, int(token)))
+        if node is None:
+            node = len(merged_tokens)
+            merged_tokens.append(int(token))
+            merged_parents.append(at)
+            merged_probs.append(float(prob))
+            sources.append("branch")
+            depths.append(0 if at < 0 else depths[at] + 1)
+            child[(at, int(token))] = node
+        else:
+            merged_probs[node] = max(merged_probs[node], float(prob))
+            sources[node] = "both"
+        at = node
+    order = sorted(range(len(merged_tokens)), key=lambda node: (-merged_probs[node], depths[node], node))
+    rank = {node: index for index, node in enumerate(order)}
+    return MergedTree(
+        [merged_tokens[node] for node in order],
+        [rank[merged_parents[node]] if merged_parents[node] >= 0 else -1 for node in order],
+        [merged_probs[node] for node in order],
+        [sources[node] for node in order],
+        [node if node < len(tokens) else -1 for node in order],
+    )

@@ -73,6 +73,7 @@ class SpecSettings:
     ngram_prefer: str = "follow"  # which earlier occurrence an n-gram draft copies: "follow", "recent" or "first"
     medusa_heads: str | None = None  # folder of Medusa heads; None = the heads shipped for the target
     eagle_head: str | None = None  # EAGLE-3 head: a folder or Hub id; None = the head shipped for the target
+    eagle_lookup: bool = True  # the EAGLE tree also holds prompt lookup's continuation (greedy runs)
 
     @property
     def method(self) -> Method:

@@ -55,8 +55,10 @@ from ..core.acceptance import target_distribution
 from ..core.clock import now
 from ..core.errors import InputError, first_line
 from ..core.files import atomic_path, file_sha256
+from ..core.events import DRAFTED_BY_BOTH, DRAFTED_BY_HEAD, DRAFTED_BY_LOOKUP
 from ..core.protocol import DraftLengthPolicy, Proposal, RoundResult, TargetPass
 from ..core.settings import SamplingSettings
+from ..core.tree import add_branch
 from .base import (
     BuildContext,
     Method,
@@ -66,6 +68,7 @@ from .base import (
     to_target_vocab,
     tree_verify_cost,
 )
+from .ngram import LookupBranch
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +96,8 @@ MAX_REST = 32
 #: activations (see :func:`head_in_format`), where the CPU has them. Beside every other target the head runs in the
 #: target's own dtype. A head's format changes what a draft costs, never what the target writes.
 CPU_HEAD_FORMATS = ("float32", "bfloat16", "w8a8")
+#: who drafted a node of a tree: the head, the prompt-lookup branch, or both
+_SOURCES = {"tree": DRAFTED_BY_HEAD, "branch": DRAFTED_BY_LOOKUP, "both": DRAFTED_BY_BOTH}
 
 
 class EagleLoadError(ValueError):
@@ -831,9 +836,12 @@ class EagleDrafter:
         max_depth: int = MAX_TREE_DEPTH,
         generator: torch.Generator | None = None,
         verify_cost: Callable[[int], float] | None = None,
+        lookup: LookupBranch | None = None,
     ) -> None:
         if tree and not sampling.greedy:
             raise ValueError("an EAGLE tree is verified greedily only; sampled runs use the chain")
+        if lookup is not None and not tree:
+            raise ValueError("the prompt-lookup branch joins an EAGLE tree only")
         self.head = head
         self.embed_tokens = embed_tokens
         self.sampling = sampling
@@ -843,6 +851,8 @@ class EagleDrafter:
         self.max_depth = max_depth
         self.generator = generator
         self.verify_cost = verify_cost
+        self.lookup = lookup
+        self._last_sources: list[str] | None = None  # who drafted each node of the last proposal
         #: the target layers whose states the loop asks every pass for (see LanguageModel.run)
         self.hidden_layers: tuple[int, ...] = tuple(head.hidden_layers)
         self._width = head.config.num_features * head.config.hidden_size
@@ -870,6 +880,9 @@ class EagleDrafter:
         self._cache = _KVCache()
         self._committed, self._pending, self._pending_plain, self._root = 0, states, 0, None
         self._rest, self._resting = 1, 0
+        self._last_sources = None
+        if self.lookup is not None:
+            self.lookup.start()
 
     def _embed(self, token_ids: Sequence[int]) -> torch.Tensor:
         return self.embed_tokens(torch.tensor(list(token_ids), dtype=torch.long, device=self.device))
@@ -899,11 +912,14 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
+        self._last_sources = None
         if max_tokens <= 0:
             return Proposal()
-        if self._resting > 0:  # the last trees did not pay for the head: a plain step, the head not even run
+        started = now(self.device)
+        branch = self.lookup.propose(context, max_tokens) if self.lookup is not None else ([], [])
+        if self._resting > 0:  # the last trees did not pay for the head: the head is not even run
             self._resting -= 1
-            return Proposal()
+            return self._choose([], [], [], branch, max_tokens, now(self.device) - started, 0.0)
         catch_up_seconds = self._catch_up(context)
         try:
             if not self.sampling.greedy:
@@ -911,16 +927,40 @@ class EagleDrafter:
                 return Proposal(tokens, draft_probs, catch_up_seconds)
             started = now(self.device)
             candidates, parents, probs = self._grow_tree(max_tokens)
-            count = self._tree_size(probs, now(self.device) - started) if self.tree else len(candidates)
         finally:
             self._cache.crop(self._committed)  # the drafted positions are never committed
-        if self.tree:
-            self._last_expected = sum(probs[:count])
-            self._pace(count)
-        chosen = _best_path_first(parents[:count])
+        if not self.tree:
+            return Proposal([token for _, token in candidates], None, catch_up_seconds)
+        tokens = [token for _, token in candidates]
+        return self._choose(tokens, parents, probs, branch, max_tokens, now(self.device) - started, catch_up_seconds)
+
+    def _choose(
+        self,
+        tokens: list[int],
+        parents: list[int],
+        probs: list[float],
+        branch: tuple[list[int], list[float]],
+        max_tokens: int,
+        draft_seconds: float,
+        catch_up_seconds: float,
+    ) -> Proposal:
+        """The tree to verify: the head's candidates (best first, with their path probabilities) and the lookup
+        branch merged, the nodes that pay for their place in the verify pass kept (all, without a cost model), in
+        best-path-first order; the head's pacing and calibration updated."""
+        ratio = self._calibration()
+        calibrated = [min(1.0, ratio * prob) for prob in probs]  # the branch's rates are calibrated already
+        tree = add_branch(tokens, parents, calibrated, *branch).cut(max_tokens)
+        tree = tree.cut(self._tree_size(tree.probs, draft_seconds, ratio=1.0))
+        head_nodes = [node for node in tree.tree_nodes if node >= 0]
+        self._last_expected = sum(probs[node] for node in head_nodes)
+        if probs:  # the head ran this round
+            self._pace(len(head_nodes))
+        chosen = _best_path_first(tree.parents)
         place = {rank: index for index, rank in enumerate(chosen)}
-        node_parents = [place[parents[rank]] if parents[rank] >= 0 else -1 for rank in chosen]
-        return Proposal([candidates[rank][1] for rank in chosen], None, catch_up_seconds, node_parents)
+        node_parents = [place[tree.parents[rank]] if tree.parents[rank] >= 0 else -1 for rank in chosen]
+        self._last_sources = [_SOURCES[tree.sources[rank]] for rank in chosen]
+        return Proposal([tree.tokens[rank] for rank in chosen], None, catch_up_seconds, node_parents,
+                        sources=list(self._last_sources) if self.lookup is not None else None)
 
     def _grow_tree(self, max_tokens: int) -> tuple[list[tuple[int, int]], list[int], list[float]]:
         """The ``max_tokens`` best candidates, best first: ((creation index, token), parent's index among them,
@@ -1000,12 +1040,13 @@ class EagleDrafter:
         """Observed over predicted accepted tokens of recent trees: the head's probabilities are not calibrated."""
         return (self._observed + 1.0) / (self._expected + 1.0)
 
-    def _best_size(self, probs: list[float], draft_seconds: float) -> tuple[int, float, float]:
+    def _best_size(self, probs: list[float], draft_seconds: float, ratio: float | None = None,
+                   ) -> tuple[int, float, float]:
         """(count, tokens per second, expected tokens) of the best tree made of the first ``count`` of ``probs``
-        (path probabilities, best first), the verify pass and ``draft_seconds`` of drafting counted; count 0 is a
-        plain step."""
+        (path probabilities, best first, scaled by ``ratio``; None: the head's calibration), the verify pass and
+        ``draft_seconds`` of drafting counted; count 0 is a plain step."""
         assert self.verify_cost is not None
-        ratio = self._calibration()
+        ratio = self._calibration() if ratio is None else ratio
         best_count, best_rate, best_expected = 0, 1.0 / self.verify_cost(1), 1.0
         expected = 1.0
         for count, prob in enumerate(probs, start=1):
@@ -1015,12 +1056,12 @@ class EagleDrafter:
                 best_count, best_rate, best_expected = count, rate, expected
         return best_count, best_rate, best_expected
 
-    def _tree_size(self, probs: list[float], draft_seconds: float) -> int:
+    def _tree_size(self, probs: list[float], draft_seconds: float, ratio: float | None = None) -> int:
         """How many of the best nodes pay for their place in the verify pass, the drafting counted (all, without
         a cost model)."""
         if self.verify_cost is None or not probs:
             return len(probs)
-        return self._best_size(probs, draft_seconds)[0]
+        return self._best_size(probs, draft_seconds, ratio)[0]
 
     def _step_may_pay(self, scores: list[float], frontier: list[int], max_tokens: int, spent: float) -> bool:
         """Whether one more tree step could make the tree pay more than the best tree of the nodes already drafted
@@ -1063,14 +1104,20 @@ class EagleDrafter:
         if states is None or states.shape[-1] != self._width:
             raise ValueError(f"an EAGLE head needs the target's states of layers {list(self.hidden_layers)} from "
                              "every verify pass")
-        rows = torch.tensor([0] + [node + 1 for node in result.verdict.accepted_nodes], device=states.device)
+        path = result.verdict.accepted_nodes
+        rows = torch.tensor([0] + [node + 1 for node in path], device=states.device)
         accepted = states.index_select(0, rows)
         self._pending = accepted if self._pending is None else torch.cat([self._pending, accepted])
+        if self.lookup is not None:
+            tokens = result.proposal.tokens
+            self.lookup.feedback([tokens[node] for node in path], result.verdict.next_token)
         if result.num_drafted == 0:
             self._pending_plain += 1
-        elif self.tree:
+        elif self.tree and self._last_expected > 0:
+            sources = self._last_sources or []
+            from_head = sum(1 for node in path if node >= len(sources) or sources[node] != DRAFTED_BY_LOOKUP)
             self._expected = 0.9 * self._expected + self._last_expected
-            self._observed = 0.9 * self._observed + result.num_accepted
+            self._observed = 0.9 * self._observed + from_head
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1079,9 +1126,15 @@ class EagleDrafter:
 
 @dataclass(frozen=True)
 class EagleOptions:
-    """``eagle_head``: a head folder (any of the three layouts) or Hub id; None: the head shipped for the target."""
+    """``eagle_head``: a head folder (any of the three layouts) or Hub id; None: the head shipped for the target.
+    ``eagle_lookup``: the greedy tree also holds prompt lookup's continuation as one more branch (the n-gram
+    settings ``ngram_min``, ``ngram_max``, ``ngram_prefer`` choose it, as in the ``ngram`` mode)."""
 
     eagle_head: str | None = None
+    eagle_lookup: bool = True
+    ngram_min: int = 1
+    ngram_max: int = 4
+    ngram_prefer: str = "follow"
 
     def validate(self) -> None:
         if self.eagle_head is not None and not str(self.eagle_head).strip():
@@ -1098,6 +1151,7 @@ def _describe(target: LoadedModel, options: Any) -> dict[str, Any]:
     head = head_for(target, options.eagle_head)
     return {
         "eagle_head": options.eagle_head or "shipped",
+        "lookup_branch": bool(options.eagle_lookup),
         "head_format": head.number_format,
         "head_step_seconds": head.format_seconds,
         "hidden_layers": list(head.hidden_layers),
@@ -1108,7 +1162,9 @@ def _describe(target: LoadedModel, options: Any) -> dict[str, Any]:
 def _build(context: BuildContext, tree: bool) -> EagleDrafter:
     target, settings = context.target, context.settings
     tree = tree and settings.sampling.greedy  # sampling is exact on a chain only
-    policy = context.policy
+    policy, options = context.policy, context.options
+    lookup = (LookupBranch(options.ngram_min, options.ngram_max, options.ngram_prefer)
+              if tree and options.eagle_lookup else None)
     return EagleDrafter(
         head_for(target, context.options.eagle_head),
         target.model.get_input_embeddings(),
@@ -1117,6 +1173,7 @@ def _build(context: BuildContext, tree: bool) -> EagleDrafter:
         tree=tree,
         generator=drafter_generator(settings.sampling.seed, target.device),
         verify_cost=tree_verify_cost(policy, tree),
+        lookup=lookup,
     )
 
 
@@ -1128,7 +1185,7 @@ def _policy(context: PolicyContext, tree: bool) -> DraftLengthPolicy:
 METHODS = (
     Method(
         name="eagle",
-        label="EAGLE-3 head on the target's features, a tree of candidates (no draft model)",
+        label="EAGLE-3 head on the target's features and prompt lookup, a tree of candidates (no draft model)",
         build=lambda context: _build(context, tree=True),
         options=EagleOptions,
         drafts_for_free=True,

@@ -71,6 +71,11 @@ class NgramIndex:
 
     def find(self, max_tokens: int, follow_from: int | None = None) -> tuple[list[int], int | None]:
         """The continuation to copy and the end of the occurrence it follows (None when nothing matches)."""
+        tokens, source, _ = self.match(max_tokens, follow_from)
+        return tokens, source
+
+    def match(self, max_tokens: int, follow_from: int | None = None) -> tuple[list[int], int | None, int]:
+        """As :meth:`find`, with the length of the n-gram matched (0 when nothing matches)."""
         tokens = self.tokens
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             ends = self._ends.get(tuple(tokens[len(tokens) - n :]))
@@ -85,8 +90,8 @@ class NgramIndex:
                 source = ends[after]
             else:
                 source = self._recent(ends, max_tokens)
-            return tokens[source + 1 : source + 1 + max_tokens], source
-        return [], None
+            return tokens[source + 1 : source + 1 + max_tokens], source, n
+        return [], None, 0
 
     def lookup(self, max_tokens: int) -> list[int]:
         """Continuation of the longest suffix n-gram that occurred before (see the class for which occurrence)."""
@@ -127,6 +132,80 @@ class NgramDrafter:
     def feedback(self, result: RoundResult) -> None:
         if self._source is not None and result.num_accepted > 0:
             self._follow_from = self._source + result.num_accepted
+
+
+#: a lookup branch's acceptance is counted per draft position up to this depth (deeper ones share the last count)
+LOOKUP_DEPTHS = 8
+#: ... and apart for matches of 1, 2 and 3 or more tokens (a longer match is copied right more often)
+LOOKUP_MATCHES = 3
+#: how much each earlier round still weighs in those counts (recent rounds matter most: copying comes in stretches)
+LOOKUP_DECAY = 0.9
+#: the counts' start (accepted, tested) at every position: 1 in 4 before anything is known
+LOOKUP_PRIOR = (1.0, 4.0)
+
+
+class LookupBranch:
+    """Prompt lookup as one more branch of another drafter's tree (EAGLE's): the continuation the n-gram index
+    copies, with each token's estimated chance that the target writes the whole branch up to it.
+
+    The chance is learnt from the target's own output, whether or not the branch was verified: after each round the
+    branch proposed is compared with the tokens written (the accepted path and the target's own token). Position j
+    counts as tested when the branch's first j tokens were written and a (j+1)-th was. The conditional rates, per
+    position and per length of the n-gram matched (decayed counts, :data:`LOOKUP_DECAY`), multiply into path
+    probabilities, so they fall along the branch and a tree sized by them stays a tree.
+    """
+
+    def __init__(self, min_n: int = 1, max_n: int = 4, prefer: str = "follow") -> None:
+        self.index = NgramIndex(min_n, max_n, prefer)
+        accepted, tested = LOOKUP_PRIOR
+        self._accepted = [[accepted] * LOOKUP_DEPTHS for _ in range(LOOKUP_MATCHES)]
+        self._tested = [[tested] * LOOKUP_DEPTHS for _ in range(LOOKUP_MATCHES)]
+        self._tokens: list[int] = []  # the branch last proposed
+        self._source: int | None = None  # where it was copied from
+        self._matched = 0  # the length of the n-gram it was copied after
+        self._follow_from: int | None = None
+
+    def start(self) -> None:
+        self.index.reset()
+        self._tokens, self._source, self._matched, self._follow_from = [], None, 0, None
+
+    def rates(self, matched: int = 1) -> list[float]:
+        """The estimated chance of each position's token given that the ones before it were right, for a copy
+        after an n-gram of ``matched`` tokens."""
+        bucket = min(max(matched, 1), LOOKUP_MATCHES) - 1
+        return [a / t for a, t in zip(self._accepted[bucket], self._tested[bucket])]
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """The branch after ``context`` (at most ``max_tokens`` tokens) and each token's path probability."""
+        if self.index.extend(context):
+            self._follow_from = None
+        self._tokens, self._source, self._matched = (self.index.match(max_tokens, self._follow_from)
+                                                     if max_tokens > 0 else ([], None, 0))
+        rates, probs, prob = self.rates(self._matched), [], 1.0
+        for position in range(len(self._tokens)):
+            prob *= rates[min(position, LOOKUP_DEPTHS - 1)]
+            probs.append(prob)
+        return list(self._tokens), probs
+
+    def feedback(self, accepted: Sequence[int], next_token: int) -> int:
+        """Learn from the round's written tokens (``accepted`` draft tokens, then the target's ``next_token``);
+        returns how many of the accepted tokens the branch held (its accepted prefix)."""
+        written = list(accepted) + [next_token]
+        branch = self._tokens
+        matched = 0
+        while matched < min(len(branch), len(written)) and branch[matched] == written[matched]:
+            matched += 1
+        bucket = min(max(self._matched, 1), LOOKUP_MATCHES) - 1
+        tested, hits = self._tested[bucket], self._accepted[bucket]
+        for position in range(min(matched + 1, len(branch), len(written))):
+            depth = min(position, LOOKUP_DEPTHS - 1)
+            tested[depth] = LOOKUP_DECAY * tested[depth] + 1.0
+            hits[depth] = LOOKUP_DECAY * hits[depth] + float(position < matched)
+        held = min(matched, len(accepted))
+        if self._source is not None and held > 0:
+            self._follow_from = self._source + held
+        self._tokens, self._source, self._matched = [], None, 0
+        return held
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,9 @@ from ..core.events import (
     ACCEPTED,
     BONUS,
     CORRECTED,
+    DRAFTED_BY_BOTH,
+    DRAFTED_BY_HEAD,
+    DRAFTED_BY_LOOKUP,
     PLAIN,
     REJECTED,
     Counters,
@@ -51,9 +54,20 @@ def _fmt_prob(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
 
 
+#: who drafted a token, in words (drafters with several parts: EAGLE's head and its prompt-lookup branch)
+SOURCE_LABELS = {
+    DRAFTED_BY_HEAD: "drafted by the head",
+    DRAFTED_BY_LOOKUP: "drafted by prompt lookup",
+    DRAFTED_BY_BOTH: "drafted by the head and prompt lookup",
+}
+
+
 def token_title(token: TokenEvent) -> str:
-    """The hover text of a token: its round, how it was made, and the probabilities behind it."""
+    """The hover text of a token: its round, how it was made (and by which part of the drafter), and the
+    probabilities behind it."""
     parts = [f"round {token.round}", KIND_LABELS.get(token.kind, token.kind)]
+    if token.source is not None:
+        parts.append(SOURCE_LABELS.get(token.source, f"drafted by {token.source}"))
     if token.draft_prob is not None:
         parts.append(f"draft p = {_fmt_prob(token.draft_prob)}")
     if token.target_prob is not None:

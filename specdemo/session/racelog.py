@@ -7,18 +7,20 @@ figures are rebuilt from the rounds exactly as the engine added them up (:meth:`
 
     {"format": "specdemo-race-log", "version": 1,
      "settings": {...RaceSettings...},
-     "token_fields": ["id", "text", "kind", "draft_prob", "target_prob"],
+     "token_fields": ["id", "text", "kind", "draft_prob", "target_prob", "source"],
      "sides": {"plain": [ROUND, ...], "spec": [ROUND, ...]},
      "outcome": {"done": true, "divergence": null | {"position": 17, "logit_margin": 0.12},
                  "stop_reason": "time budget"},   # only when the race stopped early
      "figures": {"plain": RUN, "spec": RUN}}   # derived, for readers; ignored on load
 
     ROUND = {"round": 3, "t": 1.234, "draft_s": 0.02, "verify_s": 0.1, "drafted": 4, "accepted": 2,
-             "depth": 3, "tokens": [[id, text, kind, draft_prob, target_prob], ...], "rejected": [...],
+             "depth": 3, "tokens": [[id, text, kind, draft_prob, target_prob, source], ...], "rejected": [...],
              "finish": "length"}
 
 ``t`` is the side's own compute clock at the end of the round; ``depth`` (trees only) is the tree's longest path,
-which the per-position counts go by; zero counts, empty lists and a missing finish are left out. ``RUN`` is the one
+which the per-position counts go by; a token's ``source`` (which part of a drafter with several proposed it, such
+as EAGLE's head or its lookup branch) is left out where there is none, and logs written before it existed (their
+``token_fields`` without it) are read as they are; zero counts, empty lists and a missing finish are left out. ``RUN`` is the one
 results schema (:class:`~specdemo.session.results.RunResult`). No torch here: a saved
 log is re-rendered without loading it.
 """
@@ -40,7 +42,9 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "specdemo-race-log"
 VERSION = 1
-TOKEN_FIELDS = ("id", "text", "kind", "draft_prob", "target_prob")
+TOKEN_FIELDS = ("id", "text", "kind", "draft_prob", "target_prob", "source")
+#: the token fields of logs written before tokens had a source
+OLDER_TOKEN_FIELDS = TOKEN_FIELDS[:5]
 SIDES = ("plain", "spec")
 
 
@@ -208,11 +212,16 @@ class LoggedRound:
 
 
 def _token_row(token: TokenEvent) -> list[Any]:
-    return [token.id, token.text, token.kind, token.draft_prob, token.target_prob]
+    row = [token.id, token.text, token.kind, token.draft_prob, token.target_prob]
+    return row + [token.source] if token.source is not None else row
 
 
 def _token_event(row: Any, index: int, name: str) -> TokenEvent:
-    token_id, text, kind, draft_prob, target_prob = _list(row, name, len(TOKEN_FIELDS))
+    values = _list(row, name, len(TOKEN_FIELDS))
+    if len(values) < len(OLDER_TOKEN_FIELDS):
+        raise ValueError(f"{name} must hold {', '.join(OLDER_TOKEN_FIELDS)} and optionally source, not "
+                         f"{_shown(row)}")
+    token_id, text, kind, draft_prob, target_prob = values[:5]
     if kind not in KINDS:
         raise ValueError(f"{name}'s kind must be one of {', '.join(KINDS)}, not {_shown(kind)}")
     return TokenEvent(
@@ -222,6 +231,7 @@ def _token_event(row: Any, index: int, name: str) -> TokenEvent:
         index,
         _maybe(draft_prob, _real, f"{name}'s draft_prob", 0.0, 1.0 + 1e-3),
         _maybe(target_prob, _real, f"{name}'s target_prob", 0.0, 1.0 + 1e-3),
+        _maybe(values[5] if len(values) > 5 else None, _text, f"{name}'s source", 64),
     )
 
 
@@ -404,7 +414,7 @@ class RaceLog:
             )
         try:
             settings = _settings(data["settings"])
-            if data["token_fields"] != list(TOKEN_FIELDS):
+            if data["token_fields"] not in (list(TOKEN_FIELDS), list(OLDER_TOKEN_FIELDS)):
                 raise ValueError(f"token fields {_shown(data['token_fields'])} are not {list(TOKEN_FIELDS)}")
             sides = _object(data["sides"], "sides")
             rounds = {side: _side(sides[side], side) for side in SIDES}

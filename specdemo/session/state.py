@@ -136,6 +136,7 @@ def _token_dict(token: TokenEvent) -> dict[str, Any]:
         "round": token.round,
         "draft_prob": token.draft_prob,
         "target_prob": token.target_prob,
+        "source": token.source,
     }
 
 

@@ -1,0 +1,176 @@
+"""A report for a machine with a CUDA GPU (not a test: CI has none, and nothing depends on one).
+
+1. Exactness on the GPU: tiny random Llama and Qwen2 targets on CUDA, float32 and bfloat16; every drafter (a small
+   draft model, n-gram lookup, Medusa heads as a tree, an EAGLE-3 head as a chain, a tree and a tree with prompt
+   lookup's branch) at several draft lengths, each output compared token for token with the target alone (plain
+   decoding, and transformers' ``generate`` for float32). In float32 every output must be identical; in bfloat16 a
+   parting is reported with its position and the target's top-1 minus top-2 logit margin there.
+2. The cost curve of a target pass on the GPU: a Qwen2.5-1.5B-shaped model (random weights, bfloat16) after a
+   300-token prompt, a pass over k tokens against a one-token pass, medians of CUDA-event timings.
+
+    python tests/gpu_check.py [--device cuda] [--json FILE] [--quick]
+
+``--device cpu`` runs part 1 on the CPU (to check the script itself); part 2 needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from test_eagle import random_head  # noqa: E402
+from test_medusa import random_heads  # noqa: E402
+from tiny import VOCAB, llama, qwen2, reference_greedy  # noqa: E402
+
+from specdemo.backends.transformers_lm import CachedLM  # noqa: E402
+from specdemo.core.loop import collect, plain_decode, speculative_decode  # noqa: E402
+from specdemo.core.settings import GenerationSettings, SamplingSettings  # noqa: E402
+from specdemo.methods.draft_length import FixedDraftLength  # noqa: E402
+from specdemo.methods.draft_model import DraftModelDrafter  # noqa: E402
+from specdemo.methods.eagle import EagleDrafter  # noqa: E402
+from specdemo.methods.medusa import MedusaDrafter  # noqa: E402
+from specdemo.methods.ngram import LookupBranch, NgramDrafter  # noqa: E402
+
+GREEDY = SamplingSettings()
+PROMPTS = [[5, 7, 9, 11, 5, 7, 9, 3, 2, 1], [1], [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]]
+
+
+def _drafters(target, small, head, heads):
+    embed = target.get_input_embeddings()
+    lm_head = target.get_output_embeddings().weight
+    return {
+        "draft": lambda: DraftModelDrafter(small, GREEDY, VOCAB, int8=False),
+        "ngram": lambda: NgramDrafter(1, 3),
+        "medusa": lambda: MedusaDrafter(heads, lm_head, GREEDY, VOCAB, tree=True),
+        "eagle-chain": lambda: EagleDrafter(head, embed, GREEDY, VOCAB, tree=False),
+        "eagle-tree": lambda: EagleDrafter(head, embed, GREEDY, VOCAB, tree=True),
+        "eagle": lambda: EagleDrafter(head, embed, GREEDY, VOCAB, tree=True, lookup=LookupBranch()),
+    }
+
+
+def _margin(target, context: list[int]) -> float:
+    """The target's top-1 minus top-2 logit after ``context``."""
+    with torch.inference_mode():
+        logits = target(torch.tensor([context], device=target.device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def exactness(device: torch.device, quick: bool) -> list[dict]:
+    rows = []
+    lengths = (1, 4) if quick else (1, 3, 6)
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, factory, small_factory in (("llama", lambda: llama(1), lambda: llama(2, layers=1)),
+                                             ("qwen2", lambda: qwen2(3), lambda: qwen2(4, layers=1))):
+            target = factory().to(device, dtype)
+            small = small_factory().to(device, dtype)
+            head = random_head(target, seed=4).to(device, dtype)
+            heads = random_heads(target).to(device, dtype)
+            settings = GenerationSettings(max_new_tokens=24)
+            for prompt in PROMPTS:
+                expected = collect(plain_decode(CachedLM(target), prompt, settings)).new_token_ids
+                generated = reference_greedy(target.cpu().float(), prompt, 24) if dtype == torch.float32 else None
+                target.to(device, dtype)
+                for mode, make in _drafters(target, small, head, heads).items():
+                    for k in lengths:
+                        final = collect(speculative_decode(CachedLM(target), make(), FixedDraftLength(k), prompt,
+                                                           settings))
+                        ids = final.new_token_ids
+                        parted = next((i for i, (a, b) in enumerate(zip(ids, expected)) if a != b), None)
+                        row = {"dtype": str(dtype).removeprefix("torch."), "target": name, "prompt": len(prompt),
+                               "mode": mode, "k": k, "identical": ids == expected,
+                               "accepted": final.counters.accepted, "drafted": final.counters.drafted}
+                        if generated is not None:
+                            row["plain_equals_generate"] = expected == generated
+                        if parted is not None:
+                            row["divergence"] = {"position": parted,
+                                                 "logit_margin": _margin(target, prompt + expected[:parted])}
+                        rows.append(row)
+    return rows
+
+
+def cost_curve(device: torch.device, quick: bool) -> dict:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                         max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    lm = CachedLM(model)
+    prompt = torch.randint(0, 151936, (300,), device=device)
+    repeats = 10 if quick else 30
+    seconds: dict[int, float] = {}
+    with torch.inference_mode():
+        for k in (1, 2, 4, 8, 16, 32, 64):
+            times = []
+            for repeat in range(repeats + 3):
+                lm.reset()
+                lm.run(prompt, all_logits=False, with_hidden=False)
+                torch.cuda.synchronize(device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                lm.run(prompt[:k], with_hidden=False)
+                end.record()
+                torch.cuda.synchronize(device)
+                if repeat >= 3:
+                    times.append(start.elapsed_time(end) / 1000)
+            seconds[k] = sorted(times)[len(times) // 2]
+    return {"model": "Qwen2.5-1.5B shape, random weights, bfloat16, after 300 cached tokens",
+            "one_token_ms": seconds[1] * 1000,
+            "relative": {str(k): value / seconds[1] for k, value in seconds.items()}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    report: dict = {"torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(device)
+    import transformers
+
+    report["transformers"] = transformers.__version__
+    started = time.perf_counter()
+    rows = exactness(device, args.quick)
+    report["exactness_seconds"] = time.perf_counter() - started
+    report["exactness"] = rows
+    float32 = [r for r in rows if r["dtype"] == "float32"]
+    bf16 = [r for r in rows if r["dtype"] == "bfloat16"]
+    print(f"float32: {sum(r['identical'] for r in float32)}/{len(float32)} runs identical to plain decoding; "
+          f"plain equals generate in {sum(r.get('plain_equals_generate', False) for r in float32)}/{len(float32)}")
+    print(f"bfloat16: {sum(r['identical'] for r in bf16)}/{len(bf16)} identical")
+    for row in rows:
+        if not row["identical"]:
+            print("  parted:", json.dumps(row))
+    by_mode: dict[str, list[int]] = {}
+    for row in float32:
+        by_mode.setdefault(row["mode"], [0, 0])
+        by_mode[row["mode"]][0] += row["accepted"]
+        by_mode[row["mode"]][1] += row["drafted"]
+    print("float32 accepted/drafted:", {mode: f"{a}/{d}" for mode, (a, d) in by_mode.items()})
+    if device.type == "cuda":
+        report["cost_curve"] = cost_curve(device, args.quick)
+        curve = report["cost_curve"]
+        print(f"cost curve ({curve['model']}): one token {curve['one_token_ms']:.2f} ms; " + ", ".join(
+            f"k={k}: {value:.2f}" for k, value in curve["relative"].items()))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if all(r["identical"] for r in float32) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
