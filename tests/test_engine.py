@@ -366,3 +366,26 @@ def test_verify_cost_fit_shrugs_off_one_noisy_length():
             policy.update(length - 1, 0, 0.0, seconds)
     assert policy._verify_cost(1) == pytest.approx(0.10)
     assert policy._verify_cost(11) < 0.16  # one slow measurement at 7 does not make every long pass look dear
+
+
+def test_a_model_that_names_its_cache_past_key_values_gets_it_there():
+    """transformers before 5.24 calls the forward's cache argument ``past_key_values``; an unknown keyword would be
+    swallowed by ``**kwargs`` and every pass would start from nothing."""
+    from transformers import LlamaForCausalLM
+
+    from specdemo.backends.transformers_lm import cache_keyword
+
+    class OlderLlama(LlamaForCausalLM):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return super().forward(input_ids=input_ids, cache=past_key_values, **kwargs)
+
+    current = TARGETS["llama"]
+    older = OlderLlama(current.config).eval()
+    older.load_state_dict(current.state_dict())
+    assert cache_keyword(current) == "cache" and cache_keyword(older) == "past_key_values"
+    settings = GenerationSettings(max_new_tokens=12)
+    for prompt in PROMPTS:
+        expected = reference_greedy(current, prompt, 12)
+        assert collect(plain_decode(CachedLM(older), prompt, settings)).new_token_ids == expected
+        final = collect(speculative_decode(CachedLM(older), NgramDrafter(1, 3), make_policy(4), prompt, settings))
+        assert final.new_token_ids == expected

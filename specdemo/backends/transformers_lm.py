@@ -3,6 +3,7 @@ with one sequence's KV cache, which rolls back and keeps the accepted path of a 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Sequence
 
@@ -13,6 +14,13 @@ from ..core.protocol import TargetPass
 from ..core.tree import is_chain, tree_attention_mask, tree_depths
 
 logger = logging.getLogger(__name__)
+
+
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The name under which ``model``'s forward takes its KV cache: ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before (an unknown keyword would be swallowed by ``**kwargs`` and the cache never filled)."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters or "past_key_values" not in parameters else "past_key_values"
 
 
 class CachedLM:
@@ -29,6 +37,7 @@ class CachedLM:
         self.device = next(model.parameters()).device
         self.cache: DynamicCache | None = None
         self.length = 0
+        self._cache_keyword = cache_keyword(model)
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
@@ -40,7 +49,7 @@ class CachedLM:
             self.reset()
         out = self.model(
             input_ids=input_ids.view(1, -1).to(self.device),
-            cache=self.cache,
+            **{self._cache_keyword: self.cache},
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
         )
@@ -80,7 +89,7 @@ class CachedLM:
             extra["attention_mask"] = tree_attention_mask(parents, self.length, self.model.dtype, self.device)
         out = self.model(
             input_ids=ids,
-            cache=self.cache,
+            **{self._cache_keyword: self.cache},
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
             output_hidden_states=with_hidden,
@@ -125,7 +134,9 @@ class CachedLM:
         """Final hidden states [n, H] of the base model (no LM head), extending the cache like ``forward``."""
         if self.cache is None:
             self.reset()
-        out = self.model.base_model(input_ids=input_ids.view(1, -1).to(self.device), cache=self.cache, use_cache=True)
+        base = self.model.base_model
+        out = base(input_ids=input_ids.view(1, -1).to(self.device), **{cache_keyword(base): self.cache},
+                   use_cache=True)
         self.length += int(input_ids.numel())
         return out.last_hidden_state[0]
 

@@ -49,7 +49,7 @@ class Counters:
     drafted_at: list[int] = field(default_factory=list)  # per draft position: how often a token was drafted there
     accepted_at: list[int] = field(default_factory=list)  # ... and accepted there
     tested_at: list[int] = field(default_factory=list)  # ... and checked there (every earlier one accepted)
-    #: accepted draft tokens by the part of the drafter that proposed them (drafters with several parts only)
+    #: accepted draft tokens written, by the part of the drafter that proposed them (drafters with several parts)
     accepted_by_source: dict[str, int] = field(default_factory=dict)
 
     def snapshot(self) -> "Counters":
@@ -78,7 +78,8 @@ class Counters:
     ) -> None:
         """One verify round: ``num_draft_tokens`` tokens drafted (tree nodes), ``num_accepted`` of them accepted (the
         accepted path's length), ``num_written`` tokens written; per-position counts go by depth (a chain's depth is
-        its length); ``sources``: who drafted each accepted token, for a drafter with several parts."""
+        its length); ``sources``: who drafted each accepted token written (an EOS inside the path cuts it), for a
+        drafter with several parts."""
         depth = num_draft_tokens if depth is None else depth
         for source in sources:
             self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + 1

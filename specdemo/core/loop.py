@@ -235,7 +235,9 @@ def speculative_decode(
         written = output.admit([proposal.tokens[node] for node in verdict.accepted_nodes] + [verdict.next_token])
         context.extend(written)
         depth = max(tree_depths(parents), default=-1) + 1
-        sources = [proposal.sources[node] for node in verdict.accepted_nodes] if proposal.sources else ()
+        # who drafted the accepted tokens written (an EOS inside the path cuts it), as the display shows them
+        kept = verdict.accepted_nodes[: len(written)]
+        sources = [proposal.sources[node] for node in kept] if proposal.sources else ()
         counters.record_round(len(draft), verdict.num_accepted, verdict.num_accepted + 1, depth, sources)
         counters.new_tokens = len(output.ids)
         done = VerifyRound(
