@@ -54,8 +54,8 @@ from ..backends.loading import LoadedModel
 from ..core.acceptance import target_distribution
 from ..core.clock import now
 from ..core.errors import InputError, first_line
-from ..core.files import atomic_path, file_sha256
 from ..core.events import DRAFTED_BY_BOTH, DRAFTED_BY_HEAD, DRAFTED_BY_LOOKUP
+from ..core.files import atomic_path, file_sha256
 from ..core.protocol import DraftLengthPolicy, Proposal, RoundResult, TargetPass
 from ..core.settings import SamplingSettings
 from ..core.tree import add_branch
