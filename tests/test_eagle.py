@@ -44,6 +44,7 @@ from specdemo.methods.eagle import (
 )
 from specdemo.methods.medusa import MedusaDrafter
 from specdemo.methods.ngram import LookupBranch, NgramDrafter
+from specdemo.render.views import token_title
 from specdemo.session.pipeline import plain_events, spec_events
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -819,3 +820,5 @@ def test_the_lookup_branch_drafts_beside_the_head_and_its_tokens_say_so(trained)
     assert sources <= {DRAFTED_BY_HEAD, DRAFTED_BY_LOOKUP, DRAFTED_BY_BOTH}
     assert all(token.source is None for event in runs[False] for token in event.tokens + event.rejected)
     assert runs[True][-1].counters.accepted > runs[False][-1].counters.accepted
+    shown = next(token for event in runs[True] for token in event.tokens if token.source == DRAFTED_BY_LOOKUP)
+    assert "drafted by prompt lookup" in token_title(shown)  # the hover says who drafted it

@@ -208,6 +208,8 @@ HOSTILE = [  # what a browser could send to the app's recorder, or a file could 
     (lambda d: _first_spec_round(d)["tokens"][0].__setitem__(1, ["x"]), "text must be text"),
     (lambda d: _first_spec_round(d)["tokens"][0].__setitem__(0, -3), "id must be a whole number"),
     (lambda d: _first_spec_round(d)["tokens"][0].__setitem__(4, 7.5), "target_prob must be a number from 0"),
+    (lambda d: _first_spec_round(d)["tokens"][0].append("<script>"), "source must be one of head, lookup"),
+    (lambda d: _first_spec_round(d)["tokens"].__setitem__(0, [1, "a"]), "must hold id, text, kind"),
     (lambda d: d["sides"]["spec"][2].update(t=0.0), "spec round 2's clock runs back"),
     (lambda d: d["sides"].update(spec={}), "the spec side must be a list"),
     (lambda d: d["sides"].update(plain=[d["sides"]["plain"][0]] * 40000), "at most 32834 items"),

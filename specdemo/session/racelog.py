@@ -34,7 +34,19 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ..core.events import ACCEPTED, BONUS, CORRECTED, PLAIN, REJECTED, Counters, RoundEvent, TokenEvent
+from ..core.events import (
+    ACCEPTED,
+    BONUS,
+    CORRECTED,
+    DRAFTED_BY_BOTH,
+    DRAFTED_BY_HEAD,
+    DRAFTED_BY_LOOKUP,
+    PLAIN,
+    REJECTED,
+    Counters,
+    RoundEvent,
+    TokenEvent,
+)
 from ..core.settings import MAX_NEW_TOKENS, MAX_NUM_DRAFT_TOKENS
 from .results import race_runs
 
@@ -62,6 +74,8 @@ MAX_LOG_BYTES = 64 * 1024 * 1024
 MAX_METHODS_CHARS = 4096
 #: the kinds a logged token may have
 KINDS = (PLAIN, ACCEPTED, CORRECTED, BONUS, REJECTED)
+#: the parts of a drafter a logged token may name as its source
+SOURCES = (DRAFTED_BY_HEAD, DRAFTED_BY_LOOKUP, DRAFTED_BY_BOTH)
 
 
 class RaceLogError(ValueError):
@@ -231,8 +245,14 @@ def _token_event(row: Any, index: int, name: str) -> TokenEvent:
         index,
         _maybe(draft_prob, _real, f"{name}'s draft_prob", 0.0, 1.0 + 1e-3),
         _maybe(target_prob, _real, f"{name}'s target_prob", 0.0, 1.0 + 1e-3),
-        _maybe(values[5] if len(values) > 5 else None, _text, f"{name}'s source", 64),
+        _maybe(values[5] if len(values) > 5 else None, _source, f"{name}'s source"),
     )
+
+
+def _source(value: Any, name: str) -> str:
+    if value not in SOURCES:
+        raise ValueError(f"{name} must be one of {', '.join(SOURCES)}, not {_shown(value)}")
+    return value
 
 
 def _methods(value: Any, name: str) -> dict[str, dict[str, Any]]:
