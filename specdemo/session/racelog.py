@@ -20,9 +20,9 @@ figures are rebuilt from the rounds exactly as the engine added them up (:meth:`
 ``t`` is the side's own compute clock at the end of the round; ``depth`` (trees only) is the tree's longest path,
 which the per-position counts go by; a token's ``source`` (which part of a drafter with several proposed it, such
 as EAGLE's head or its lookup branch) is left out where there is none, and logs written before it existed (their
-``token_fields`` without it) are read as they are; zero counts, empty lists and a missing finish are left out. ``RUN`` is the one
-results schema (:class:`~specdemo.session.results.RunResult`). No torch here: a saved
-log is re-rendered without loading it.
+``token_fields`` without it) are read as they are; zero counts, empty lists and a missing finish are left out.
+``RUN`` is the one results schema (:class:`~specdemo.session.results.RunResult`). No torch here: a saved log is
+re-rendered without loading it.
 """
 
 from __future__ import annotations
