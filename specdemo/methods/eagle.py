@@ -852,7 +852,6 @@ class EagleDrafter:
         self.generator = generator
         self.verify_cost = verify_cost
         self.lookup = lookup
-        self._last_sources: list[str] | None = None  # who drafted each node of the last proposal
         #: the target layers whose states the loop asks every pass for (see LanguageModel.run)
         self.hidden_layers: tuple[int, ...] = tuple(head.hidden_layers)
         self._width = head.config.num_features * head.config.hidden_size
@@ -880,7 +879,6 @@ class EagleDrafter:
         self._cache = _KVCache()
         self._committed, self._pending, self._pending_plain, self._root = 0, states, 0, None
         self._rest, self._resting = 1, 0
-        self._last_sources = None
         if self.lookup is not None:
             self.lookup.start()
 
@@ -912,7 +910,6 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
-        self._last_sources = None
         if max_tokens <= 0:
             return Proposal()
         started = now(self.device)
@@ -958,9 +955,8 @@ class EagleDrafter:
         chosen = _best_path_first(tree.parents)
         place = {rank: index for index, rank in enumerate(chosen)}
         node_parents = [place[tree.parents[rank]] if tree.parents[rank] >= 0 else -1 for rank in chosen]
-        self._last_sources = [_SOURCES[tree.sources[rank]] for rank in chosen]
-        return Proposal([tree.tokens[rank] for rank in chosen], None, catch_up_seconds, node_parents,
-                        sources=list(self._last_sources) if self.lookup is not None else None)
+        sources = [_SOURCES[tree.sources[rank]] for rank in chosen] if self.lookup is not None else None
+        return Proposal([tree.tokens[rank] for rank in chosen], None, catch_up_seconds, node_parents, sources)
 
     def _grow_tree(self, max_tokens: int) -> tuple[list[tuple[int, int]], list[int], list[float]]:
         """The ``max_tokens`` best candidates, best first: ((creation index, token), parent's index among them,
@@ -1114,8 +1110,8 @@ class EagleDrafter:
         if result.num_drafted == 0:
             self._pending_plain += 1
         elif self.tree and self._last_expected > 0:
-            sources = self._last_sources or []
-            from_head = sum(1 for node in path if node >= len(sources) or sources[node] != DRAFTED_BY_LOOKUP)
+            sources = result.proposal.sources  # None: the head drafted every node
+            from_head = sum(1 for node in path if sources is None or sources[node] != DRAFTED_BY_LOOKUP)
             self._expected = 0.9 * self._expected + self._last_expected
             self._observed = 0.9 * self._observed + from_head
 
