@@ -33,6 +33,7 @@ from test_eagle import random_head  # noqa: E402
 from test_medusa import random_heads  # noqa: E402
 from tiny import VOCAB, llama, qwen2, reference_greedy  # noqa: E402
 
+from specdemo.backends.loading import LoadedModel, LoadSettings  # noqa: E402
 from specdemo.backends.transformers_lm import CachedLM  # noqa: E402
 from specdemo.core.loop import collect, plain_decode, speculative_decode  # noqa: E402
 from specdemo.core.settings import GenerationSettings, SamplingSettings  # noqa: E402
@@ -41,6 +42,7 @@ from specdemo.methods.draft_model import DraftModelDrafter  # noqa: E402
 from specdemo.methods.eagle import EagleDrafter  # noqa: E402
 from specdemo.methods.medusa import MedusaDrafter  # noqa: E402
 from specdemo.methods.ngram import LookupBranch, NgramDrafter  # noqa: E402
+from specdemo.session.racer import compare_outputs  # noqa: E402
 
 GREEDY = SamplingSettings()
 PROMPTS = [[5, 7, 9, 11, 5, 7, 9, 3, 2, 1], [1], [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]]
@@ -59,12 +61,12 @@ def _drafters(target, small, head, heads):
     }
 
 
-def _margin(target, context: list[int]) -> float:
-    """The target's top-1 minus top-2 logit after ``context``."""
-    with torch.inference_mode():
-        logits = target(torch.tensor([context], device=target.device)).logits[0, -1].float()
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
+def _divergence(model, prompt: list[int], reference: list[int], other: list[int]) -> dict | None:
+    """Where ``other`` parts from ``reference`` and the target's top-1 minus top-2 logit there (the session's
+    ``compare_outputs``, as the bench and the app report it); None when they are identical."""
+    loaded = LoadedModel("gpu-check", model, None, model.device, model.dtype, LoadSettings(device=str(model.device)))
+    position, margin = compare_outputs(loaded, prompt, reference, other, greedy=True)
+    return None if position is None else {"position": position, "logit_margin": margin}
 
 
 def exactness(device: torch.device, quick: bool) -> list[dict]:
@@ -87,15 +89,14 @@ def exactness(device: torch.device, quick: bool) -> list[dict]:
                         final = collect(speculative_decode(CachedLM(target), make(), FixedDraftLength(k), prompt,
                                                            settings))
                         ids = final.new_token_ids
-                        parted = next((i for i, (a, b) in enumerate(zip(ids, expected)) if a != b), None)
+                        parted = _divergence(target, prompt, expected, ids)
                         row = {"dtype": str(dtype).removeprefix("torch."), "target": name, "prompt": len(prompt),
                                "mode": mode, "k": k, "identical": ids == expected,
                                "accepted": final.counters.accepted, "drafted": final.counters.drafted}
                         if generated is not None:
                             row["plain_equals_generate"] = expected == generated
                         if parted is not None:
-                            row["divergence"] = {"position": parted,
-                                                 "logit_margin": _margin(target, prompt + expected[:parted])}
+                            row["divergence"] = parted
                         rows.append(row)
     return rows
 
@@ -164,9 +165,9 @@ def _baseline(model, prompt: torch.Tensor, repeats: int) -> dict:
     result = {"plain_tokens_per_s": rates["plain"], "generate_tokens_per_s": rates["generate"],
               "plain_over_generate": rates["plain"] / rates["generate"],
               "identical": outputs["plain"] == outputs["generate"]}
-    parted = next((i for i, (a, b) in enumerate(zip(outputs["plain"], outputs["generate"])) if a != b), None)
-    if parted is not None:  # where they part, and the target's top-1 minus top-2 logit there in plain's context
-        result["divergence"] = {"position": parted, "logit_margin": _margin(model, ids + outputs["plain"][:parted])}
+    parted = _divergence(model, ids, outputs["plain"], outputs["generate"])  # in plain's context
+    if parted is not None:
+        result["divergence"] = parted
     model.float()  # the same comparison in float32, untimed
     with torch.inference_mode():
         out = model.generate(prompt.view(1, -1), attention_mask=torch.ones_like(prompt.view(1, -1)),
