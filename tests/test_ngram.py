@@ -123,15 +123,32 @@ def test_a_lookup_branch_learns_its_rates_per_position_from_what_the_target_wrot
     assert probs == pytest.approx([start, start**2, start**3, start**4])  # path probabilities: rates multiplied
     # the target accepted 3, 4, then wrote 7 where the branch had 5: positions 0, 1 right, position 2 wrong
     assert branch.feedback([3, 4], 7) == 2
+    assert branch.rates(2) == [start] * LOOKUP_DEPTHS  # counted when the next branch is proposed
+    context += [3, 4, 7]
+    branch.propose(context, 4)
     rates = branch.rates(2)  # the copy followed a 2-gram (1, 2)
     assert rates[0] > start and rates[1] > start and rates[2] < start
     assert rates[3:] == [start] * (LOOKUP_DEPTHS - 3)  # position 3 was not tested: the first 3 were not all right
-    # an unverified branch still learns from the target's own token: here it named it (position 0 right)
-    tokens, _ = branch.propose([1, 2, 3, 1, 2], 3)
-    before = branch.rates(2)[0]
-    assert branch.feedback([], tokens[0]) == 0
-    assert branch.rates(2)[0] > before
     assert branch.rates(1) == branch.rates(3) == [start] * LOOKUP_DEPTHS  # other match lengths learn apart
+
+
+def test_a_lookup_branch_is_scored_over_the_rounds_it_takes_to_write_it_verified_or_not():
+    branch = LookupBranch(1, 1)
+    start = LOOKUP_PRIOR[0] / LOOKUP_PRIOR[1]
+    context = [5, 1, 2, 3, 4, 6, 5]
+    assert branch.propose(context, 5)[0] == [1, 2, 3, 4, 6]
+    # a tree that held none of it: the target writes 1 itself, then two tokens a round
+    assert branch.feedback([], 1) == 0
+    for written in ([1], [2, 3], [4, 6]):
+        context += written
+        branch.propose(context, 5)
+        if written != [4, 6]:
+            assert branch.rates(1) == [start] * LOOKUP_DEPTHS  # still open: right so far, not all written
+    # the whole branch was written: every position tested and right, though no round verified past its first
+    rates = branch.rates(1)
+    assert all(rate > start for rate in rates[:5]) and rates[5:] == [start] * (LOOKUP_DEPTHS - 5)
+    branch.start()  # a new run forgets the open branches, not the rates
+    assert branch._open == [] and branch.rates(1) == rates
 
 
 def test_a_lookup_branch_follows_its_accepted_copies_and_starts_over():

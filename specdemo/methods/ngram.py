@@ -148,11 +148,13 @@ class LookupBranch:
     """Prompt lookup as one more branch of another drafter's tree (EAGLE's): the continuation the n-gram index
     copies, with each token's estimated chance that the target writes the whole branch up to it.
 
-    The chance is learnt from the target's own output, whether or not the branch was verified: after each round the
-    branch proposed is compared with the tokens written (the accepted path and the target's own token). Position j
-    counts as tested when the branch's first j tokens were written and a (j+1)-th was. The conditional rates, per
-    position and per length of the n-gram matched (decayed counts, :data:`LOOKUP_DECAY`), multiply into path
-    probabilities, so they fall along the branch and a tree sized by them stays a tree.
+    The chance is learnt from the target's own output, whether or not the branch was verified, and however much of
+    it the tree held: each branch proposed is kept until the target has written past its first wrong token (or its
+    end), over as many rounds as that takes, then scored. Position j counts as tested when the branch's first j
+    tokens were written and a (j+1)-th was. (Scoring a branch only against the round it was proposed in would
+    never test the positions a tree leaves out, so a branch cut short once would stay short.) The conditional
+    rates, per position and per length of the n-gram matched (decayed counts, :data:`LOOKUP_DECAY`), multiply into
+    path probabilities, so they fall along the branch and a tree sized by them stays a tree.
     """
 
     def __init__(self, min_n: int = 1, max_n: int = 4, prefer: str = "follow") -> None:
@@ -162,12 +164,13 @@ class LookupBranch:
         self._tested = [[tested] * LOOKUP_DEPTHS for _ in range(LOOKUP_MATCHES)]
         self._tokens: list[int] = []  # the branch last proposed
         self._source: int | None = None  # where it was copied from
-        self._matched = 0  # the length of the n-gram it was copied after
         self._follow_from: int | None = None
+        #: branches not scored yet: (tokens written before it, its tokens, its match-length bucket)
+        self._open: list[tuple[int, list[int], int]] = []
 
     def start(self) -> None:
         self.index.reset()
-        self._tokens, self._source, self._matched, self._follow_from = [], None, 0, None
+        self._tokens, self._source, self._follow_from, self._open = [], None, None, []
 
     def rates(self, matched: int = 1) -> list[float]:
         """The estimated chance of each position's token given that the ones before it were right, for a copy
@@ -176,35 +179,51 @@ class LookupBranch:
         return [a / t for a, t in zip(self._accepted[bucket], self._tested[bucket])]
 
     def propose(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
-        """The branch after ``context`` (at most ``max_tokens`` tokens) and each token's path probability."""
+        """The branch after ``context`` (at most ``max_tokens`` tokens) and each token's path probability; the
+        branches proposed before are scored against ``context`` first."""
         if self.index.extend(context):
-            self._follow_from = None
-        self._tokens, self._source, self._matched = (self.index.match(max_tokens, self._follow_from)
-                                                     if max_tokens > 0 else ([], None, 0))
-        rates, probs, prob = self.rates(self._matched), [], 1.0
+            self._follow_from, self._open = None, []
+        self._score(self.index.tokens)
+        self._tokens, self._source, matched = (self.index.match(max_tokens, self._follow_from)
+                                               if max_tokens > 0 else ([], None, 0))
+        bucket = min(max(matched, 1), LOOKUP_MATCHES) - 1
+        if self._tokens:
+            self._open.append((len(self.index.tokens), list(self._tokens), bucket))
+        rates, probs, prob = self.rates(matched), [], 1.0
         for position in range(len(self._tokens)):
             prob *= rates[min(position, LOOKUP_DEPTHS - 1)]
             probs.append(prob)
         return list(self._tokens), probs
 
+    def _score(self, tokens: Sequence[int]) -> None:
+        """Count the open branches that ``tokens`` (the sequence so far) decides: written past a wrong token or
+        past the branch's end."""
+        still_open = []
+        for offset, branch, bucket in self._open:
+            written = tokens[offset : offset + len(branch)]
+            matched = 0
+            while matched < len(written) and branch[matched] == written[matched]:
+                matched += 1
+            if matched == len(written) < len(branch):  # right so far, the rest not written yet
+                still_open.append((offset, branch, bucket))
+                continue
+            tested, hits = self._tested[bucket], self._accepted[bucket]
+            for position in range(min(matched + 1, len(branch))):
+                depth = min(position, LOOKUP_DEPTHS - 1)
+                tested[depth] = LOOKUP_DECAY * tested[depth] + 1.0
+                hits[depth] = LOOKUP_DECAY * hits[depth] + float(position < matched)
+        self._open = still_open
+
     def feedback(self, accepted: Sequence[int], next_token: int) -> int:
-        """Learn from the round's written tokens (``accepted`` draft tokens, then the target's ``next_token``);
-        returns how many of the accepted tokens the branch held (its accepted prefix)."""
-        written = list(accepted) + [next_token]
-        branch = self._tokens
-        matched = 0
-        while matched < min(len(branch), len(written)) and branch[matched] == written[matched]:
-            matched += 1
-        bucket = min(max(self._matched, 1), LOOKUP_MATCHES) - 1
-        tested, hits = self._tested[bucket], self._accepted[bucket]
-        for position in range(min(matched + 1, len(branch), len(written))):
-            depth = min(position, LOOKUP_DEPTHS - 1)
-            tested[depth] = LOOKUP_DECAY * tested[depth] + 1.0
-            hits[depth] = LOOKUP_DECAY * hits[depth] + float(position < matched)
-        held = min(matched, len(accepted))
+        """After a round that wrote ``accepted`` draft tokens and the target's ``next_token``: follow the copy on
+        when the branch held accepted tokens, and return how many it held (its accepted prefix). (What the branch
+        learns from the round is counted at the next :meth:`propose`, which sees the tokens written.)"""
+        branch, held = self._tokens, 0
+        while held < min(len(branch), len(accepted)) and branch[held] == accepted[held]:
+            held += 1
         if self._source is not None and held > 0:
             self._follow_from = self._source + held
-        self._tokens, self._source, self._matched = [], None, 0
+        self._tokens, self._source = [], None
         return held
 
 
