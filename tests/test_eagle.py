@@ -300,23 +300,6 @@ def test_a_tree_stops_growing_when_no_deeper_step_could_pay(trained):
     assert steps[1] >= 2
 
 
-def test_the_head_rests_when_its_round_costs_more_than_its_candidates_add(trained):
-    """The head keeps running while the tree it adds to (its candidates, and the lookup branch's) pays for its whole
-    round, tree steps and catch-up; a candidate worth less still joins the tree it was drafted for (spent by
-    then), but the head rests after it."""
-    model, head = trained["llama"]
-    eagle_drafter = drafter(model, head, True, verify_cost=lambda length: 1.0 + 0.01 * length)
-    eagle_drafter._round_catch_up = 0.05  # seconds; a plain step costs 1.01
-    assert eagle_drafter._head_pays([0.5, 0.3], [], 0.01)  # right half the time: 1.8 tokens for 1.09 s
-    assert not eagle_drafter._head_pays([0.04], [], 0.01)  # rarely right (translation)
-    assert eagle_drafter._tree_size([0.04], 0.0, ratio=1.0) == 1  # ... though once drafted the node is verified
-    # beside a lookup branch as good without it, the head's third candidate does not pay for its round
-    assert not eagle_drafter._head_pays([0.6, 0.3, 0.05], [0.6, 0.3], 0.01)
-    assert eagle_drafter._head_pays([0.6, 0.5, 0.3], [0.6], 0.01)
-    eagle_drafter._pace(0)
-    assert eagle_drafter._resting == 1  # a round without paying head nodes: the head sits the next one out
-
-
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_every_length_limit_and_eos_inside_an_accepted_path(trained, shape):
     model, head = trained["llama"]

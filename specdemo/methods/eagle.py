@@ -91,9 +91,6 @@ TOP_K = 4
 MAX_TREE_DEPTH = 8
 #: the most rounds a tree drafter sits out (head not run) after trees that did not pay, before it looks again
 MAX_REST = 32
-#: the head's record of paying for its rounds (+1 a round it paid, -1 one it did not) keeps this much of its past
-#: each round it runs; it rests while the record is below zero, so one poor round among good ones does not stop it
-HEAD_RECORD_DECAY = 0.7
 #: the formats a head may run in beside an int8 or w8a8 target on a CPU: whichever drafts fastest on this machine
 #: (:func:`fastest_head_format`); "w8a8" is float32 with every linear layer in w8a8's integer kernels, two-part
 #: activations (see :func:`head_in_format`), where the CPU has them. Beside every other target the head runs in the
@@ -867,10 +864,8 @@ class EagleDrafter:
         self._observed = 0.0
         self._last_expected = 0.0
         self._step_seconds: float | None = None  # one tree step, seconds (an average that leans low)
-        self._round_catch_up: float | None = None  # the head's catch-up in a round after a drafting one (average)
         self._rest = 1
         self._resting = 0
-        self._head_record = 1.0  # see HEAD_RECORD_DECAY
 
     @property
     def device(self) -> torch.device:
@@ -883,7 +878,7 @@ class EagleDrafter:
                              "every prompt position (run the target with hidden_layers)")
         self._cache = _KVCache()
         self._committed, self._pending, self._pending_plain, self._root = 0, states, 0, None
-        self._rest, self._resting, self._head_record = 1, 0, 1.0
+        self._rest, self._resting = 1, 0
         if self.lookup is not None:
             self.lookup.start()
 
@@ -911,11 +906,7 @@ class EagleDrafter:
         self._root = (outputs[-1], self.head.logits(outputs[-1:])[0])
         self._pending = None
         plain, self._pending_plain = self._pending_plain, 0
-        seconds = now(self.device) - started
-        if not plain:  # the head's own cost of every round it drafts in, beside its tree steps
-            previous = self._round_catch_up
-            self._round_catch_up = seconds if previous is None else 0.8 * previous + 0.2 * seconds
-        return seconds if plain else 0.0
+        return now(self.device) - started if plain else 0.0
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
@@ -955,14 +946,12 @@ class EagleDrafter:
         best-path-first order; the head's pacing and calibration updated."""
         ratio = self._calibration()
         calibrated = [min(1.0, ratio * prob) for prob in probs]  # the branch's rates are calibrated already
-        merged = add_branch(tokens, parents, calibrated, *branch).cut(max_tokens)
-        tree = merged.cut(self._tree_size(merged.probs, draft_seconds, ratio=1.0))
+        tree = add_branch(tokens, parents, calibrated, *branch).cut(max_tokens)
+        tree = tree.cut(self._tree_size(tree.probs, draft_seconds, ratio=1.0))
         head_nodes = [node for node in tree.tree_nodes if node >= 0]
         self._last_expected = sum(probs[node] for node in head_nodes)
         if probs:  # the head ran this round
-            paid = 1.0 if self._head_pays(merged.probs, branch[1], draft_seconds) else -1.0
-            self._head_record = HEAD_RECORD_DECAY * self._head_record + (1.0 - HEAD_RECORD_DECAY) * paid
-            self._pace(len(head_nodes) if self._head_record > 0 else 0)
+            self._pace(len(head_nodes))
         chosen = _best_path_first(tree.parents)
         place = {rank: index for index, rank in enumerate(chosen)}
         node_parents = [place[tree.parents[rank]] if tree.parents[rank] >= 0 else -1 for rank in chosen]
@@ -1092,22 +1081,6 @@ class EagleDrafter:
             if (expected + gain) / (spent + self._step_seconds + self.verify_cost(nodes + 1)) > rate:
                 return True
         return False
-
-    def _head_pays(self, tree_probs: list[float], branch_probs: list[float], draft_seconds: float) -> bool:
-        """Whether running the head pays for itself: the best tree of the head's candidates and the lookup branch
-        (``tree_probs``, best first), its round's whole cost counted (the tree steps, ``draft_seconds``, and its
-        catch-up over the tokens written since the last round), beats the best tree of the branch alone
-        (``branch_probs``), which costs next to nothing, or a plain step. The tree this round verifies is sized
-        without the catch-up (spent by then); this feeds the head's record (:data:`HEAD_RECORD_DECAY`), which
-        decides whether it runs in the next rounds (see :meth:`_pace`): where it is rarely right (translation) the
-        tree steps and catch-ups cost more than its few accepted tokens win, and a tree cut to the nodes that pay
-        once drafted would keep one or two of them every round."""
-        if self.verify_cost is None:
-            return True
-        head_seconds = draft_seconds + (self._round_catch_up or 0.0)
-        with_head = self._best_size(tree_probs, head_seconds, ratio=1.0)[1]
-        without_head = self._best_size(list(branch_probs), 0.0, ratio=1.0)[1]
-        return with_head > without_head
 
     def _pace(self, count: int) -> None:
         """After a tree that pays, run the head every round; after one that does not, sit out 1, 2, 4 ... up to
