@@ -122,7 +122,7 @@ def test_a_lookup_branch_learns_its_rates_per_position_from_what_the_target_wrot
     assert tokens == [3, 4, 5, 9]
     assert probs == pytest.approx([start, start**2, start**3, start**4])  # path probabilities: rates multiplied
     # the target accepted 3, 4, then wrote 7 where the branch had 5: positions 0, 1 right, position 2 wrong
-    assert branch.feedback([3, 4], 7) == 2
+    assert branch.feedback([3, 4]) == 2
     assert branch.rates(2) == [start] * LOOKUP_DEPTHS  # counted when the next branch is proposed
     context += [3, 4, 7]
     branch.propose(context, 4)
@@ -138,7 +138,7 @@ def test_a_lookup_branch_is_scored_over_the_rounds_it_takes_to_write_it_verified
     context = [5, 1, 2, 3, 4, 6, 5]
     assert branch.propose(context, 5)[0] == [1, 2, 3, 4, 6]
     # a tree that held none of it: the target writes 1 itself, then two tokens a round
-    assert branch.feedback([], 1) == 0
+    assert branch.feedback([]) == 0
     for written in ([1], [2, 3], [4, 6]):
         context += written
         branch.propose(context, 5)
@@ -156,8 +156,8 @@ def test_a_lookup_branch_follows_its_accepted_copies_and_starts_over():
     context = [8, 5, 8, 6, 8, 7, 9, 8]
     branch = LookupBranch(1, 2)
     assert branch.propose(context, 2)[0] == [7, 9]  # the most recent occurrence of (8), which ends at 4
-    assert branch.feedback([], 1) == 0 and branch._follow_from is None  # nothing accepted: no copy to follow
+    assert branch.feedback([]) == 0 and branch._follow_from is None  # nothing accepted: no copy to follow
     branch.propose(context, 2)
-    assert branch.feedback([7], 9) == 1 and branch._follow_from == 5  # one copied token accepted
+    assert branch.feedback([7]) == 1 and branch._follow_from == 5  # one copied token accepted
     branch.start()
     assert branch._follow_from is None and branch.propose(context, 2)[0] == [7, 9]

@@ -1106,7 +1106,7 @@ class EagleDrafter:
         self._pending = accepted if self._pending is None else torch.cat([self._pending, accepted])
         if self.lookup is not None:
             tokens = result.proposal.tokens
-            self.lookup.feedback([tokens[node] for node in path], result.verdict.next_token)
+            self.lookup.feedback([tokens[node] for node in path])
         if result.num_drafted == 0:
             self._pending_plain += 1
         elif self.tree and self._last_expected > 0:

@@ -175,7 +175,7 @@ class LookupBranch:
     def rates(self, matched: int = 1) -> list[float]:
         """The estimated chance of each position's token given that the ones before it were right, for a copy
         after an n-gram of ``matched`` tokens."""
-        bucket = min(max(matched, 1), LOOKUP_MATCHES) - 1
+        bucket = _match_bucket(matched)
         return [a / t for a, t in zip(self._accepted[bucket], self._tested[bucket])]
 
     def propose(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
@@ -186,9 +186,8 @@ class LookupBranch:
         self._score(self.index.tokens)
         self._tokens, self._source, matched = (self.index.match(max_tokens, self._follow_from)
                                                if max_tokens > 0 else ([], None, 0))
-        bucket = min(max(matched, 1), LOOKUP_MATCHES) - 1
         if self._tokens:
-            self._open.append((len(self.index.tokens), list(self._tokens), bucket))
+            self._open.append((len(self.index.tokens), list(self._tokens), _match_bucket(matched)))
         rates, probs, prob = self.rates(matched), [], 1.0
         for position in range(len(self._tokens)):
             prob *= rates[min(position, LOOKUP_DEPTHS - 1)]
@@ -201,9 +200,7 @@ class LookupBranch:
         still_open = []
         for offset, branch, bucket in self._open:
             written = tokens[offset : offset + len(branch)]
-            matched = 0
-            while matched < len(written) and branch[matched] == written[matched]:
-                matched += 1
+            matched = _agreeing(branch, written)
             if matched == len(written) < len(branch):  # right so far, the rest not written yet
                 still_open.append((offset, branch, bucket))
                 continue
@@ -214,17 +211,28 @@ class LookupBranch:
                 hits[depth] = LOOKUP_DECAY * hits[depth] + float(position < matched)
         self._open = still_open
 
-    def feedback(self, accepted: Sequence[int], next_token: int) -> int:
-        """After a round that wrote ``accepted`` draft tokens and the target's ``next_token``: follow the copy on
-        when the branch held accepted tokens, and return how many it held (its accepted prefix). (What the branch
-        learns from the round is counted at the next :meth:`propose`, which sees the tokens written.)"""
-        branch, held = self._tokens, 0
-        while held < min(len(branch), len(accepted)) and branch[held] == accepted[held]:
-            held += 1
+    def feedback(self, accepted: Sequence[int]) -> int:
+        """After a round that accepted the draft tokens ``accepted``: follow the copy on when the branch held
+        some of them, and return how many it held (its accepted prefix). (What the branch learns from the round is
+        counted at the next :meth:`propose`, which sees the tokens written.)"""
+        held = _agreeing(self._tokens, accepted)
         if self._source is not None and held > 0:
             self._follow_from = self._source + held
         self._tokens, self._source = [], None
         return held
+
+
+def _match_bucket(matched: int) -> int:
+    """Which of a lookup branch's acceptance records a copy after an n-gram of ``matched`` tokens uses."""
+    return min(max(matched, 1), LOOKUP_MATCHES) - 1
+
+
+def _agreeing(first: Sequence[int], second: Sequence[int]) -> int:
+    """How many leading tokens two sequences share."""
+    count = 0
+    while count < min(len(first), len(second)) and first[count] == second[count]:
+        count += 1
+    return count
 
 
 @dataclass(frozen=True)
