@@ -40,7 +40,7 @@ from .core.errors import InputError
 from .core.events import Counters, RoundEvent
 from .core.files import write_json_atomic
 from .core.loop import collect
-from .core.metrics import compare, decode_rate, decode_speedup, run_metrics
+from .core.metrics import compare, decode_rate, decode_speedup, run_metrics, verify_cost_by_size
 from .core.settings import GenerationSettings, SamplingSettings
 from .methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, check_pair, describe_methods
 from .methods.ngram import NGRAM_PREFERENCES
@@ -305,6 +305,11 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
                 entry["conditional_acceptance"] = metrics.conditional_acceptance
                 entry["draft_cost"] = comparison.draft_cost
                 entry["verify_cost"] = comparison.verify_cost
+                plain_metrics = run_metrics(plain_counters)
+                by_size = verify_cost_by_size(
+                    total, plain_metrics.verify_seconds / plain_metrics.rounds if plain_metrics.rounds else None)
+                entry["verify_cost_by_size"] = {str(size): cost for size, (cost, _) in by_size.items()}
+                entry["verify_passes_by_size"] = {str(size): passes for size, (_, passes) in by_size.items()}
                 if entry["speedup"] and comparison.expected_speedup:
                     entry["fraction_of_expected"] = entry["speedup"] / comparison.expected_speedup
         summary[mode] = entry
@@ -346,6 +351,24 @@ def format_table(summary: dict[str, dict], by_category: dict[str, dict[str, dict
     for mode, entry in summary.items():
         lines.append(row("ALL", mode, entry))
     return "\n".join(lines)
+
+
+def format_verify_costs(summary: dict[str, dict], calibration: dict | None) -> str:
+    """What a verify pass over n tokens cost in plain steps, per speculative mode as its run met it, under the
+    calibrated curve the drafters started from (empty when no mode has the figures)."""
+    lines = []
+    for mode, entry in summary.items():
+        costs, passes = entry.get("verify_cost_by_size"), entry.get("verify_passes_by_size") or {}
+        if costs:
+            figures = ", ".join(f"{size}: {cost:.2f} ({passes.get(size, 0)})" for size, cost in costs.items())
+            lines.append(f"  {mode:<12} {figures}")
+    if not lines:
+        return ""
+    if calibration and calibration.get("relative"):
+        pairs = zip(calibration["lengths"], calibration["relative"])
+        figures = ", ".join(f"{size}: {cost:.2f}" for size, cost in pairs)
+        lines.append(f"  {'calibrated':<12} {figures} (after {calibration.get('prefix_tokens')} tokens)")
+    return "verify pass cost in plain steps, by tokens in the pass (number of passes):\n" + "\n".join(lines)
 
 
 def plot(summary: dict[str, dict], by_category: dict[str, dict[str, dict]], path: Path) -> None:
@@ -697,6 +720,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted: nothing written", file=sys.stderr)
         return 130
     print(format_table(report["summary"], report["by_category"]))
+    verify_costs = format_verify_costs(report["summary"], report.get("calibration"))
+    if verify_costs:
+        print(verify_costs)
     if args.json:
         write_json_atomic(args.json, report, indent=1)
         print(f"wrote {args.json}")

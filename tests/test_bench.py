@@ -85,6 +85,13 @@ def test_bench_json_and_identity(pair, prompt_file, tmp_path, capsys):
     assert report["summary"]["draft"]["decode_speedup"] > 0 and report["summary"]["hf-plain"]["decode_speedup"] is None
     assert set(report["by_category"]) == {"coding", "summary"}
     assert report["summary"]["draft"]["acceptance_rate"] is not None
+    # what a verify pass over n tokens cost this run, in plain steps, with how many passes of each size
+    draft_entry = report["summary"]["draft"]
+    by_size, passes = draft_entry["verify_cost_by_size"], draft_entry["verify_passes_by_size"]
+    assert by_size and set(by_size) == set(passes) and all(int(size) >= 1 for size in by_size)
+    assert all(cost > 0 for cost in by_size.values()) and all(count > 0 for count in passes.values())
+    assert "verify pass cost in plain steps" in table and "calibrated" in table
+    assert "verify_cost_by_size" not in report["summary"]["plain"]
     assert report["environment"]["dtype"] == "float32"
     calibration = report["calibration"]  # the machine's cost curve, printed first and kept in the JSON
     assert calibration["lengths"] == [1, 2, 4, 8, 16] and calibration["relative"][0] == 1.0

@@ -9,7 +9,7 @@ from specdemo.core.economics import (
     expected_tokens_per_pass,
 )
 from specdemo.core.events import Counters
-from specdemo.core.metrics import compare, decode_rate, run_metrics
+from specdemo.core.metrics import compare, decode_rate, run_metrics, verify_cost_by_size
 
 
 def test_leviathan_formula():
@@ -45,6 +45,23 @@ def test_run_metrics_definitions():
     alpha = 5 / 7
     per_round = [expected_tokens_per_pass(alpha, k) for k in (4, 4, 4, 0)]
     assert metrics.expected_tokens_per_round_iid == pytest.approx(sum(per_round) / 4)
+
+
+def test_verify_cost_by_size_reads_each_pass_by_its_tokens():
+    counters = Counters()
+    for drafted, seconds in [(3, 0.12), (0, 0.1), (3, 0.14), (1, 0.11)]:  # passes over 4, 1, 4 and 2 tokens
+        counters.record_round(drafted, 0, 1, verify_seconds=seconds)
+    assert counters.verify_seconds == pytest.approx(0.47)
+    costs = verify_cost_by_size(counters, plain_step=0.1)
+    assert list(costs) == [1, 2, 4]  # sizes in order
+    assert costs[1] == pytest.approx((1.0, 1)) and costs[2] == pytest.approx((1.1, 1))
+    assert costs[4] == pytest.approx((1.3, 2))  # the mean of its passes
+    assert verify_cost_by_size(counters, plain_step=None) == {}
+    # added up over runs, and kept by a snapshot
+    total = Counters.total([counters, counters.snapshot()])
+    assert verify_cost_by_size(total, 0.1)[4] == pytest.approx((1.3, 4))
+    counters.record_round(0, 0, 1, verify_seconds=0.1)
+    assert len(total.verify_seconds_by_round) == 8
 
 
 def test_expected_tokens_reduces_to_leviathan():

@@ -51,6 +51,9 @@ class Counters:
     tested_at: list[int] = field(default_factory=list)  # ... and checked there (every earlier one accepted)
     #: accepted draft tokens written, by the part of the drafter that proposed them (drafters with several parts)
     accepted_by_source: dict[str, int] = field(default_factory=dict)
+    #: seconds of each verification round's target pass, in the order of ``draft_lengths`` (its pass holds the
+    #: last token and the draft: ``draft_lengths[i] + 1`` tokens), so a run's cost per pass size can be read off
+    verify_seconds_by_round: list[float] = field(default_factory=list)
 
     def snapshot(self) -> "Counters":
         """A copy that later rounds do not change."""
@@ -62,6 +65,7 @@ class Counters:
             accepted_at=list(self.accepted_at),
             tested_at=list(self.tested_at),
             accepted_by_source=dict(self.accepted_by_source),
+            verify_seconds_by_round=list(self.verify_seconds_by_round),
         )
 
     @property
@@ -75,12 +79,15 @@ class Counters:
         num_written: int,
         depth: int | None = None,
         sources: Sequence[str] = (),
+        verify_seconds: float = 0.0,
     ) -> None:
         """One verify round: ``num_draft_tokens`` tokens drafted (tree nodes), ``num_accepted`` of them accepted (the
         accepted path's length), ``num_written`` tokens written; per-position counts go by depth (a chain's depth is
         its length); ``sources``: who drafted each accepted token written (an EOS inside the path cuts it), for a
-        drafter with several parts."""
+        drafter with several parts; ``verify_seconds``: its target pass (added to the run's verify seconds)."""
         depth = num_draft_tokens if depth is None else depth
+        self.verify_seconds += verify_seconds
+        self.verify_seconds_by_round.append(verify_seconds)
         for source in sources:
             self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + 1
         self.rounds += 1
@@ -114,6 +121,7 @@ class Counters:
                 setattr(total, name, getattr(total, name) + getattr(run, name))
             total.accepted_lengths.extend(run.accepted_lengths)
             total.draft_lengths.extend(run.draft_lengths)
+            total.verify_seconds_by_round.extend(run.verify_seconds_by_round)
             for name in ("drafted_at", "accepted_at", "tested_at"):
                 mine, theirs = getattr(total, name), getattr(run, name)
                 mine.extend([0] * (len(theirs) - len(mine)))

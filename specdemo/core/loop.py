@@ -166,8 +166,7 @@ def plain_decode(
         logits = target.run(torch.tensor([token]), all_logits=False, with_hidden=False).logits[-1]
         token = choose_token(logits, settings.sampling, generator)
         seconds = clock() - start
-        counters.verify_seconds += seconds
-        counters.record_round(0, 0, 1)
+        counters.record_round(0, 0, 1, verify_seconds=seconds)
 
 
 def speculative_decode(
@@ -227,7 +226,6 @@ def speculative_decode(
 
         draft_seconds, verify_seconds = drafted_at - start, verified_at - drafted_at
         counters.draft_seconds += draft_seconds
-        counters.verify_seconds += verify_seconds
         drafter.feedback(RoundResult(proposal, verdict, target_pass))
         catch_up = proposal.catch_up_seconds  # booked apart: it is no cost per drafted token
         policy.update(len(draft), verdict.num_accepted, draft_seconds - catch_up, verify_seconds, catch_up)
@@ -238,7 +236,8 @@ def speculative_decode(
         # who drafted the accepted tokens written (an EOS inside the path cuts it), as the display shows them
         kept = verdict.accepted_nodes[: len(written)]
         sources = [proposal.sources[node] for node in kept] if proposal.sources else ()
-        counters.record_round(len(draft), verdict.num_accepted, verdict.num_accepted + 1, depth, sources)
+        counters.record_round(len(draft), verdict.num_accepted, verdict.num_accepted + 1, depth, sources,
+                              verify_seconds)
         counters.new_tokens = len(output.ids)
         done = VerifyRound(
             round_index, proposal, target_pass.logits, target_probs, verdict, written, draft_seconds, verify_seconds

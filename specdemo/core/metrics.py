@@ -19,6 +19,10 @@ Definitions (README, "Reading the figures"):
 - expected speedup = the same applied end to end: both sides also pay their measured prompt pass, which the
   measured speedup includes, so the two are comparable. measured / expected says how close a run came to what the
   method allows for its acceptance and draft cost;
+- verify cost by pass size = the mean seconds of the run's target passes over n tokens (the last token and n - 1
+  drafts), for each n that occurred, over the plain side's seconds per step: the cost curve as the run met it
+  (context length, tree masks, hidden states and the machine's state of the moment included), beside the
+  calibrated curve the drafter started from;
 - decode speedup = the measured speedup after the target's prompt pass: tokens after the first per second of
   everything that followed that pass (the draft's own reading of the prompt included), speculative over plain.
   Both sides pay the same prompt pass, so where it is a large share of a run (long prompts, or prompt passes that
@@ -116,6 +120,18 @@ class Comparison:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def verify_cost_by_size(counters: Counters, plain_step: float | None) -> dict[int, tuple[float, int]]:
+    """Per number of tokens in a verify pass (the last token and the draft): (mean seconds of those passes over
+    ``plain_step``, the seconds of one plain decoding step, and how many passes there were); empty without a plain
+    step or timed rounds."""
+    if not plain_step or plain_step <= 0:
+        return {}
+    seconds: dict[int, list[float]] = {}
+    for drafted, pass_seconds in zip(counters.draft_lengths, counters.verify_seconds_by_round):
+        seconds.setdefault(drafted + 1, []).append(pass_seconds)
+    return {size: (sum(times) / len(times) / plain_step, len(times)) for size, times in sorted(seconds.items())}
 
 
 def decode_rate(new_tokens: int, seconds: float, prefill_seconds: float, runs: int = 1) -> float | None:

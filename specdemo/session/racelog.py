@@ -346,9 +346,9 @@ class RaceLog:
                 counters.target_passes += 1
             else:
                 counters.draft_seconds += logged.draft_seconds
-                counters.verify_seconds += logged.verify_seconds
                 sources = [t.source for t in logged.tokens if t.kind == ACCEPTED and t.source is not None]
-                counters.record_round(logged.drafted, logged.accepted, logged.accepted + 1, logged.depth, sources)
+                counters.record_round(logged.drafted, logged.accepted, logged.accepted + 1, logged.depth, sources,
+                                      logged.verify_seconds)
             ids.extend(t.id for t in logged.tokens)
             pieces.extend(t.text for t in logged.tokens)
             counters.new_tokens = len(ids)
