@@ -52,15 +52,18 @@ def test_drafter_follows_only_accepted_copies_and_forgets_them_on_a_new_sequence
     drafter.start([8, 5, 8, 6])
     assert drafter.propose([8, 5, 8, 6, 8], 1).tokens == [6]  # (6, 8) never occurred; (8) last ended at 2
     drafter.feedback(round_result([6], 0))  # rejected: nothing to follow
-    assert drafter._follow_from is None
+    assert drafter.index.follow_from is None
     drafter.propose([8, 5, 8, 6, 8, 7, 9, 8], 2)
     drafter.feedback(round_result([9, 8], 1))  # copied from the occurrence ending at 4, one token accepted
-    assert drafter._follow_from == 5
+    assert drafter.index.follow_from == 5
     drafter.propose([3, 3, 3], 2)  # a different sequence: the index starts over and so does following
-    assert drafter._follow_from is None
+    assert drafter.index.follow_from is None
     drafter.feedback(round_result([3, 3], 2))
+    assert drafter.index.follow_from == 3  # the copy of (3) after its occurrence ending at 1, both accepted
     drafter.start([1])
-    assert drafter._follow_from is None and drafter._source is None
+    assert drafter.index.follow_from is None
+    drafter.feedback(round_result([], 0))  # a round without a copy follows nothing
+    assert drafter.index.follow_from is None
 
 
 def test_an_unknown_preference_is_refused():
@@ -156,8 +159,8 @@ def test_a_lookup_branch_follows_its_accepted_copies_and_starts_over():
     context = [8, 5, 8, 6, 8, 7, 9, 8]
     branch = LookupBranch(1, 2)
     assert branch.propose(context, 2)[0] == [7, 9]  # the most recent occurrence of (8), which ends at 4
-    assert branch.feedback([]) == 0 and branch._follow_from is None  # nothing accepted: no copy to follow
+    assert branch.feedback([]) == 0 and branch.index.follow_from is None  # nothing accepted: no copy to follow
     branch.propose(context, 2)
-    assert branch.feedback([7]) == 1 and branch._follow_from == 5  # one copied token accepted
+    assert branch.feedback([7]) == 1 and branch.index.follow_from == 5  # one copied token accepted
     branch.start()
-    assert branch._follow_from is None and branch.propose(context, 2)[0] == [7, 9]
+    assert branch.index.follow_from is None and branch.propose(context, 2)[0] == [7, 9]

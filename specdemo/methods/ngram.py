@@ -33,7 +33,9 @@ class NgramIndex:
       ended, so an output that copies the prompt in order with edits keeps copying from the right place), and the
       most recent one when there is none or no copy was accepted yet.
 
-    Updating is incremental: each new position is indexed once.
+    Updating is incremental: each new position is indexed once. The index also keeps what following needs:
+    :meth:`copy` remembers where its continuation came from, :meth:`follow` moves ``follow_from`` on past the
+    copied tokens the target accepted, and a new sequence forgets both.
     """
 
     def __init__(self, min_n: int = 1, max_n: int = 4, prefer: str = "follow") -> None:
@@ -47,11 +49,15 @@ class NgramIndex:
         self.tokens: list[int] = []
         self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> ends of its occurrences, ascending
         self._indexed_ends = 0  # ends 0.._indexed_ends-1 are in the table
+        #: the source position after the last accepted copied token (where ``"follow"`` copies from next)
+        self.follow_from: int | None = None
+        self._copied_from: int | None = None  # end of the occurrence the last copy came from
 
     def reset(self) -> None:
         self.tokens = []
         self._ends = {}
         self._indexed_ends = 0
+        self.follow_from = self._copied_from = None
 
     def extend(self, context: Sequence[int]) -> bool:
         """Bring the index up to date with ``context``; returns True when it had to start over (a new sequence)."""
@@ -93,6 +99,22 @@ class NgramIndex:
             return tokens[source + 1 : source + 1 + max_tokens], source, n
         return [], None, 0
 
+    def copy(self, max_tokens: int) -> tuple[list[int], int]:
+        """The continuation to draft (at most ``max_tokens`` tokens, following the last accepted copy) and the
+        length of the n-gram matched; where it came from is kept for :meth:`follow`."""
+        if max_tokens <= 0:
+            self._copied_from = None
+            return [], 0
+        tokens, self._copied_from, matched = self.match(max_tokens, self.follow_from)
+        return tokens, matched
+
+    def follow(self, accepted: int) -> None:
+        """The target accepted the first ``accepted`` tokens of the last copy: copy on from after them next time
+        (nothing changes when it accepted none)."""
+        if self._copied_from is not None and accepted > 0:
+            self.follow_from = self._copied_from + accepted
+        self._copied_from = None
+
     def lookup(self, max_tokens: int) -> list[int]:
         """Continuation of the longest suffix n-gram that occurred before (see the class for which occurrence)."""
         return self.find(max_tokens)[0]
@@ -113,25 +135,18 @@ class NgramDrafter:
 
     def __init__(self, min_n: int = 1, max_n: int = 4, prefer: str = "follow") -> None:
         self.index = NgramIndex(min_n, max_n, prefer)
-        self._source: int | None = None  # end of the occurrence the last proposal copied from
-        self._follow_from: int | None = None  # source position of the last accepted copied token
 
     def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
         self.index.reset()
-        self._source = self._follow_from = None
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
-        self._source = None
-        if max_tokens <= 0:
-            return Proposal()
-        if self.index.extend(context):
-            self._follow_from = None
-        tokens, self._source = self.index.find(max_tokens, self._follow_from)
+        if max_tokens > 0:
+            self.index.extend(context)
+        tokens, _ = self.index.copy(max_tokens)
         return Proposal(tokens, None)
 
     def feedback(self, result: RoundResult) -> None:
-        if self._source is not None and result.num_accepted > 0:
-            self._follow_from = self._source + result.num_accepted
+        self.index.follow(result.num_accepted)
 
 
 #: a lookup branch's acceptance is counted per draft position up to this depth (deeper ones share the last count)
@@ -163,14 +178,12 @@ class LookupBranch:
         self._accepted = [[accepted] * LOOKUP_DEPTHS for _ in range(LOOKUP_MATCHES)]
         self._tested = [[tested] * LOOKUP_DEPTHS for _ in range(LOOKUP_MATCHES)]
         self._tokens: list[int] = []  # the branch last proposed
-        self._source: int | None = None  # where it was copied from
-        self._follow_from: int | None = None
         #: branches not scored yet: (tokens written before it, its tokens, its match-length bucket)
         self._open: list[tuple[int, list[int], int]] = []
 
     def start(self) -> None:
         self.index.reset()
-        self._tokens, self._source, self._follow_from, self._open = [], None, None, []
+        self._tokens, self._open = [], []
 
     def rates(self, matched: int = 1) -> list[float]:
         """The estimated chance of each position's token given that the ones before it were right, for a copy
@@ -182,10 +195,9 @@ class LookupBranch:
         """The branch after ``context`` (at most ``max_tokens`` tokens) and each token's path probability; the
         branches proposed before are scored against ``context`` first."""
         if self.index.extend(context):
-            self._follow_from, self._open = None, []
+            self._open = []
         self._score(self.index.tokens)
-        self._tokens, self._source, matched = (self.index.match(max_tokens, self._follow_from)
-                                               if max_tokens > 0 else ([], None, 0))
+        self._tokens, matched = self.index.copy(max_tokens)
         if self._tokens:
             self._open.append((len(self.index.tokens), list(self._tokens), _match_bucket(matched)))
         rates, probs, prob = self.rates(matched), [], 1.0
@@ -216,9 +228,8 @@ class LookupBranch:
         some of them, and return how many it held (its accepted prefix). (What the branch learns from the round is
         counted at the next :meth:`propose`, which sees the tokens written.)"""
         held = _agreeing(self._tokens, accepted)
-        if self._source is not None and held > 0:
-            self._follow_from = self._source + held
-        self._tokens, self._source = [], None
+        self.index.follow(held)
+        self._tokens = []
         return held
 
 

@@ -69,16 +69,15 @@ def first_draft_hits(head, embed: torch.Tensor, split: Split) -> tuple[torch.Ten
     ids = split.ids.tolist()
     defaults = NgramOptions()
     index = NgramIndex(defaults.ngram_min, defaults.ngram_max, defaults.ngram_prefer)
-    follow_from = None
     head_hits, lookup_hits = [], []
     for row in torch.nonzero(batch.active).flatten().tolist():
         label = int(batch.labels[0, row])
         if label < 0:
             continue
         index.extend(ids[: row + 2])  # row i reads token i + 1 and drafts the token after it
-        copied, source = index.find(1, follow_from)
+        copied, _ = index.copy(1)
         lookup_right = bool(copied) and copied[0] == label
-        follow_from = source + 1 if lookup_right else follow_from
+        index.follow(int(lookup_right))
         head_hits.append(int(predicted[row]) == label)
         lookup_hits.append(lookup_right)
     return torch.tensor(head_hits, dtype=torch.bool), torch.tensor(lookup_hits, dtype=torch.bool)
