@@ -298,16 +298,16 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
             if METHODS[mode].needs_hidden_states:  # heads on the target: head k's acceptance, given the heads before
                 entry["per_head_acceptance"] = metrics.conditional_acceptance
             if plain_counters is not None:
-                comparison = compare(metrics, run_metrics(plain_counters))
+                plain_metrics = run_metrics(plain_counters)
+                comparison = compare(metrics, plain_metrics)
                 entry["expected_speedup"] = comparison.expected_speedup
                 entry["expected_decode_speedup"] = comparison.expected_decode_speedup
                 entry["expected_decode_speedup_iid"] = comparison.expected_decode_speedup_iid
                 entry["conditional_acceptance"] = metrics.conditional_acceptance
                 entry["draft_cost"] = comparison.draft_cost
                 entry["verify_cost"] = comparison.verify_cost
-                plain_metrics = run_metrics(plain_counters)
-                by_size = verify_cost_by_size(
-                    total, plain_metrics.verify_seconds / plain_metrics.rounds if plain_metrics.rounds else None)
+                plain_step = plain_metrics.verify_seconds / plain_metrics.rounds if plain_metrics.rounds else None
+                by_size = verify_cost_by_size(total, plain_step)
                 entry["verify_cost_by_size"] = {str(size): cost for size, (cost, _) in by_size.items()}
                 entry["verify_passes_by_size"] = {str(size): passes for size, (_, passes) in by_size.items()}
                 if entry["speedup"] and comparison.expected_speedup:
