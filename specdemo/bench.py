@@ -306,8 +306,7 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
                 entry["conditional_acceptance"] = metrics.conditional_acceptance
                 entry["draft_cost"] = comparison.draft_cost
                 entry["verify_cost"] = comparison.verify_cost
-                plain_step = plain_metrics.verify_seconds / plain_metrics.rounds if plain_metrics.rounds else None
-                by_size = verify_cost_by_size(total, plain_step)
+                by_size = verify_cost_by_size(total, plain_metrics.seconds_per_round)
                 entry["verify_cost_by_size"] = {str(size): cost for size, (cost, _) in by_size.items()}
                 entry["verify_passes_by_size"] = {str(size): passes for size, (_, passes) in by_size.items()}
                 if entry["speedup"] and comparison.expected_speedup:

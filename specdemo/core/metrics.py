@@ -62,6 +62,11 @@ class RunMetrics:
     draft_seconds: float
     verify_seconds: float
 
+    @property
+    def seconds_per_round(self) -> float | None:
+        """Seconds of verification per round: for plain decoding, the seconds of one step (None without rounds)."""
+        return self.verify_seconds / self.rounds if self.rounds else None
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -153,10 +158,10 @@ def compare(spec: RunMetrics, plain: RunMetrics) -> Comparison:
         decode_rate(plain.new_tokens, plain.seconds, plain.prefill_seconds),
     )
     prefill_share = plain.prefill_seconds / plain.seconds if plain.seconds > 0 else None
-    plain_step = plain.verify_seconds / plain.rounds if plain.rounds else None
+    plain_step = plain.seconds_per_round
     if not plain_step or not spec.rounds:
         return Comparison(speedup, None, None, None, None, None, None, decode, prefill_share)
-    verify_cost = (spec.verify_seconds / spec.rounds) / plain_step
+    verify_cost = spec.seconds_per_round / plain_step
     draft_cost = (spec.draft_seconds / spec.drafted) / plain_step if spec.drafted else 0.0
     gamma = spec.mean_draft_length or 0.0
     round_cost = gamma * draft_cost + 1.0
