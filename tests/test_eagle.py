@@ -22,26 +22,17 @@ from specdemo.core.events import ACCEPTED, DRAFTED_BY_BOTH, DRAFTED_BY_HEAD, DRA
 from specdemo.core.loop import collect, plain_decode, speculative_decode
 from specdemo.core.settings import GenerationSettings, SamplingSettings
 from specdemo.core.tree import add_branch
+from specdemo.backends import eagle3_checkpoint, eagle3_head
 from specdemo.methods import (
     METHODS,
     SpecSettings,
-    eagle,
     make_drafter,
     make_spec_policy,
 )
 from specdemo.methods.draft_length import FixedDraftLength, TreeBudget, make_policy
-from specdemo.methods.eagle import (
-    EagleConfig,
-    EagleDrafter,
-    EagleHead,
-    EagleLoadError,
-    _best_path_first,
-    default_hidden_layers,
-    head_for,
-    load_head,
-    save_head,
-    target_facts,
-)
+from specdemo.backends.eagle3_checkpoint import EagleLoadError, head_for, load_head, save_head, target_facts
+from specdemo.backends.eagle3_head import EagleConfig, EagleHead, default_hidden_layers
+from specdemo.methods.eagle import EagleDrafter, _best_path_first
 from specdemo.methods.medusa import MedusaDrafter
 from specdemo.methods.ngram import LookupBranch, NgramDrafter
 from specdemo.render.views import token_title
@@ -99,7 +90,7 @@ def trained_head(model, steps: int = 40, draft_vocab: int = 64, seed: int = 0) -
     for _ in range(steps):
         for states, sequence in data:
             count = sequence.shape[0] - 2
-            cache = eagle._KVCache()
+            cache = eagle3_head.HeadKVCache()
             positions = torch.arange(count)
             first = head(head.features(states[:count]), embed(sequence[1 : count + 1]).detach(), positions, cache)
             loss = cross_entropy(head.logits(first), to_draft[sequence[2 : count + 2]], ignore_index=-100)
@@ -351,10 +342,10 @@ def test_beside_an_int8_or_w8a8_target_the_head_runs_in_the_format_that_drafts_f
         trained, tmp_path, monkeypatch, caplog):
     _, fitted = trained["llama"]
     before = {name: tensor.clone() for name, tensor in fitted.state_dict().items()}
-    with caplog.at_level("INFO", logger="specdemo.methods.eagle"):
-        chosen = eagle.fastest_head_format(fitted, eagle.CPU_HEAD_FORMATS, context=16, repeats=1)
+    with caplog.at_level("INFO", logger="specdemo.backends.eagle3_head"):
+        chosen = eagle3_head.fastest_head_format(fitted, eagle3_head.CPU_HEAD_FORMATS, context=16, repeats=1)
     assert isinstance(chosen, EagleHead) and "running it in" in caplog.text
-    assert set(chosen.format_seconds) == set(eagle.CPU_HEAD_FORMATS)  # what the results file records
+    assert set(chosen.format_seconds) == set(eagle3_head.CPU_HEAD_FORMATS)  # what the results file records
     assert chosen.number_format == min(chosen.format_seconds, key=chosen.format_seconds.__getitem__)
     assert all(torch.equal(tensor, before[name]) for name, tensor in fitted.state_dict().items())  # untouched
     folder = tmp_path / "head"
@@ -363,16 +354,16 @@ def test_beside_an_int8_or_w8a8_target_the_head_runs_in_the_format_that_drafts_f
 
     def as_told(head, formats, **_):  # the last format (w8a8), without timing anything
         measured.append(formats)
-        return eagle.head_in_format(head, formats[-1])
+        return eagle3_head.head_in_format(head, formats[-1])
 
-    monkeypatch.setattr(eagle, "fastest_head_format", as_told)
+    monkeypatch.setattr(eagle3_checkpoint, "fastest_head_format", as_told)
     for fmt in (W8A8, INT8):
         model = to_int8_format(llama(1), fmt)
         target = LoadedModel("tiny", model, None, CPU, activation_dtype(fmt), LoadSettings(dtype=fmt))
         head = head_for(target, str(folder))
         assert isinstance(head.fc, W8A8Linear) and isinstance(head.lm_head, W8A8Linear)
         assert head.number_format == W8A8
-        assert head.dtype == torch.float32 and measured[-1] == eagle.CPU_HEAD_FORMATS
+        assert head.dtype == torch.float32 and measured[-1] == eagle3_head.CPU_HEAD_FORMATS
         for tree, budget in ((True, 4), (False, 3), (True, "adaptive")):
             settings = GenerationSettings(max_new_tokens=16)
             policy, eagle_drafter = policy_and_drafter(model, head, tree, budget)
@@ -391,13 +382,13 @@ def test_the_w8a8_head_drafts_what_the_float32_head_drafts(trained, monkeypatch)
 
     for name in ("llama", "qwen2"):
         model, fitted = trained[name]
-        quantised = eagle.head_in_format(fitted, W8A8)
+        quantised = eagle3_head.head_in_format(fitted, W8A8)
         assert quantised is not fitted and isinstance(quantised.midlayer.mlp.down_proj, W8A8Linear)
         assert isinstance(quantised.midlayer.self_attn.k_proj, SharedInputLinear)
-        assert eagle.head_in_format(fitted, "float32") is fitted
+        assert eagle3_head.head_in_format(fitted, "float32") is fitted
         with monkeypatch.context() as patched:
             patched.setenv(SHARE_INPUTS_ENV, "0")
-            separate = eagle.head_in_format(fitted, W8A8)
+            separate = eagle3_head.head_in_format(fitted, W8A8)
         assert isinstance(separate.midlayer.self_attn.k_proj, W8A8Linear)
         generator = torch.Generator().manual_seed(1)
         rows = 48
@@ -680,15 +671,15 @@ def test_hub_ids_missing_folders_and_shipped_heads(tmp_path, monkeypatch):
              "Hub: We couldn't connect")
     _refused(loaded(model), tmp_path / "nowhere", "neither a folder nor a Hub id")
     offline_target = loaded(model, "offline:qwen2.5-coder-1.5b")
-    monkeypatch.delitem(eagle.SHIPPED_HEADS, "qwen2.5-coder-1.5b", raising=False)  # as for a target without one
+    monkeypatch.delitem(eagle3_checkpoint.SHIPPED_HEADS, "qwen2.5-coder-1.5b", raising=False)  # as for a target without one
     _refused(offline_target, None, "no EAGLE head ships for offline:qwen2.5-coder-1.5b yet: name one with "
              "--eagle-head PATH, or train one with python -m specdemo.training.eagle")
     with pytest.raises(InputError, match="no EAGLE head ships"):
         make_drafter(SpecSettings(mode="eagle-chain"), offline_target, None, GenerationSettings(max_new_tokens=4))
     digest = save_head(random_head(model), tmp_path / "shipped", torch.float32)
-    monkeypatch.setitem(eagle.SHIPPED_HEADS, "qwen2.5-coder-1.5b", (tmp_path / "shipped", "0" * 64))
+    monkeypatch.setitem(eagle3_checkpoint.SHIPPED_HEADS, "qwen2.5-coder-1.5b", (tmp_path / "shipped", "0" * 64))
     _refused(offline_target, None, "damaged or replaced")
-    monkeypatch.setitem(eagle.SHIPPED_HEADS, "qwen2.5-coder-1.5b", (tmp_path / "shipped", digest))
+    monkeypatch.setitem(eagle3_checkpoint.SHIPPED_HEADS, "qwen2.5-coder-1.5b", (tmp_path / "shipped", digest))
     assert head_for(loaded(model, "offline:qwen2.5-coder-1.5b"), None).config.draft_vocab_size == 48
     (tmp_path / "mlp").mkdir()
     (tmp_path / "mlp" / "config.json").write_text(json.dumps({"speculators_model_type": "mlp_speculator"}))

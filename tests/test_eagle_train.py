@@ -20,14 +20,9 @@ from specdemo.backends.transformers_lm import CachedLM
 from specdemo.core.loop import collect, plain_decode, speculative_decode
 from specdemo.core.settings import GenerationSettings, SamplingSettings
 from specdemo.methods.draft_length import FixedDraftLength, TreeBudget
-from specdemo.methods.eagle import (
-    EagleConfig,
-    EagleDrafter,
-    EagleHead,
-    _KVCache,
-    load_head,
-    target_facts,
-)
+from specdemo.backends.eagle3_checkpoint import load_head, target_facts
+from specdemo.backends.eagle3_head import EagleConfig, EagleHead, HeadKVCache
+from specdemo.methods.eagle import EagleDrafter
 from specdemo.training import common
 from specdemo.training.common import (
     CorpusSpec,
@@ -38,17 +33,14 @@ from specdemo.training.common import (
 )
 from specdemo.training.eagle import (
     MAX_HEAD_BYTES,
-    Split,
     TrainSettings,
     draft_vocabulary,
     head_bytes,
     head_fields,
-    load_split,
-    make_batch,
     pass_through_init,
     train,
-    unrolled_forward,
 )
+from specdemo.training.eagle_unrolled import Split, load_split, make_batch, unrolled_forward
 
 BENCHMARK_FILES = {"prompts.jsonl", "question.jsonl"}
 #: tiny models gain nothing from threads, and lose much to a busy machine
@@ -107,7 +99,7 @@ def test_the_unrolled_forward_is_what_the_drafter_computes_at_each_draft_step():
             rows = length - 1
             for root in range(rows):
                 # the drafter: commit rows 0..root (target features, the next token), then draft from the root
-                cache = _KVCache()
+                cache = HeadKVCache()
                 committed = head(head.features(states[: root + 1]), embed[ids[1 : root + 2]],
                                  torch.arange(root + 1), cache)
                 flat = sum(lengths[:s]) - s + root

@@ -70,7 +70,8 @@ def test_offline_target_with_a_random_eagle_head_is_identical(pair, tmp_path):
     untrained head most drafts are rejected, and the output is still token for token plain decoding's."""
     import torch
 
-    from specdemo.methods.eagle import EagleConfig, EagleHead, default_hidden_layers, save_head
+    from specdemo.backends.eagle3_checkpoint import save_head
+    from specdemo.backends.eagle3_head import EagleConfig, EagleHead, default_hidden_layers
 
     target, _ = pair
     config = target.model.config

@@ -16,13 +16,9 @@ from specdemo.core.loop import collect, plain_decode, speculative_decode
 from specdemo.core.settings import GenerationSettings, SamplingSettings
 from specdemo.core.tree import build_tree, tree_attention_mask, tree_depths
 from specdemo.methods.draft_length import FixedDraftLength, TreeBudget
-from specdemo.methods.medusa import (
-    MedusaConfig,
-    MedusaDrafter,
-    MedusaHeads,
-    MedusaLoadError,
-    load_heads,
-)
+from specdemo.backends.medusa_checkpoint import MedusaLoadError, load_heads
+from specdemo.backends.medusa_heads import MedusaConfig, MedusaHeads
+from specdemo.methods.medusa import MedusaDrafter
 
 GREEDY = SamplingSettings()
 PROMPTS = [[5, 7, 9, 11, 5, 7, 9, 3, 2, 1], [1], [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]]

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tiny import reference_greedy, save_tiny_pair
 
-from specdemo.methods.medusa import load_heads
+from specdemo.backends.medusa_checkpoint import load_heads
 from specdemo.training.common import stdlib_files
 from specdemo.training.corpus import training_prompts
 from specdemo.training.medusa import TrainSettings, labels_for, train

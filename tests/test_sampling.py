@@ -20,7 +20,8 @@ from specdemo.core.loop import collect, plain_decode, speculative_decode
 from specdemo.core.settings import GenerationSettings, SamplingSettings
 from specdemo.methods.draft_length import FixedDraftLength
 from specdemo.methods.draft_model import DraftModelDrafter
-from specdemo.methods.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+from specdemo.backends.medusa_heads import MedusaConfig, MedusaHeads
+from specdemo.methods.medusa import MedusaDrafter
 from specdemo.methods.ngram import NgramDrafter
 
 ALPHA = 1e-3

@@ -109,7 +109,8 @@ def _perturbed(model, seed: int, scale: float):
 
 
 def _medusa(model, sampling, generator):
-    from specdemo.methods.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+    from specdemo.backends.medusa_heads import MedusaConfig, MedusaHeads
+    from specdemo.methods.medusa import MedusaDrafter
 
     heads = MedusaHeads(MedusaConfig(NUM_DRAFT, 1, model.config.hidden_size, VOCAB))
     with torch.no_grad():
@@ -119,7 +120,8 @@ def _medusa(model, sampling, generator):
 
 
 def _eagle(model, sampling, generator):
-    from specdemo.methods.eagle import EagleConfig, EagleDrafter, EagleHead, default_hidden_layers
+    from specdemo.backends.eagle3_head import EagleConfig, EagleHead, default_hidden_layers
+    from specdemo.methods.eagle import EagleDrafter
 
     hidden = model.config.hidden_size
     head = EagleHead(EagleConfig(hidden, 4, 2, hidden // 4, 2 * hidden, VOCAB, 6,

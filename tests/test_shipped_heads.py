@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specdemo.core.files import file_sha256
-from specdemo.methods import eagle, medusa
+from specdemo.backends import eagle3_checkpoint as eagle
+from specdemo.backends import medusa_checkpoint as medusa
 
 #: the most a shipped head's weights may take
 MAX_SHIPPED_BYTES = 40 * 1000 * 1000

@@ -113,7 +113,7 @@ def save_tiny_heads(folder, hidden: int = 64, vocab: int = 320, num_heads: int =
     """Random Medusa heads (shared LM head) for a tiny target, saved as a heads folder; return its path."""
     from pathlib import Path
 
-    from specdemo.methods.medusa import MedusaConfig, MedusaHeads
+    from specdemo.backends.medusa_heads import MedusaConfig, MedusaHeads
 
     heads = MedusaHeads(MedusaConfig(num_heads, 1, hidden, vocab))
     generator = torch.Generator().manual_seed(seed)
@@ -130,12 +130,8 @@ def save_tiny_eagle_head(folder, hidden: int = 64, vocab: int = 320, layers: int
     saved as a folder; return its path."""
     from pathlib import Path
 
-    from specdemo.methods.eagle import (
-        EagleConfig,
-        EagleHead,
-        default_hidden_layers,
-        save_head,
-    )
+    from specdemo.backends.eagle3_checkpoint import save_head
+    from specdemo.backends.eagle3_head import EagleConfig, EagleHead, default_hidden_layers
 
     head = EagleHead(EagleConfig(hidden, 4, 2, hidden // 4, 2 * hidden, vocab, draft_vocab,
                                  default_hidden_layers(layers)))

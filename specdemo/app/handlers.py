@@ -8,10 +8,10 @@ Each handler is a thin layer over one :class:`~specdemo.session.racer.Racer`: it
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import gradio as gr
 
@@ -24,7 +24,7 @@ from ..render.views import (
     pane_titles,
     speedup_html,
 )
-from ..session.racer import Prepared, Racer, log_refusal, race_settings
+from ..session.racer import Prepared, Progress, Racer, log_refusal, race_settings
 from ..session.request import RaceRequest
 from ..session.state import RaceState, progress_dict, result_dict
 from .charts import (
@@ -37,6 +37,8 @@ from .config import AppConfig
 from .spaces import gpu
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: the Run handler's outputs, in order (tests zip them with the yielded tuples)
 OUTPUTS = (
@@ -53,21 +55,6 @@ OUTPUTS = (
     "position_plot",
     "result",
     "cost_plot",
-)
-#: the ``/race`` API's inputs, in order
-API_INPUTS = (
-    "prompt",
-    "pair",
-    "mode",
-    "num_draft_tokens",
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "seed",
-    "chat",
-    "target",
-    "draft",
-    "dtype",
 )
 #: the Run handler's inputs, in order
 INPUTS = (
@@ -142,22 +129,61 @@ def starting_view(prepared: Prepared) -> tuple:
     return tuple(values)
 
 
-@dataclass
+def race_request(config: AppConfig, inputs: Mapping[str, Any]) -> RaceRequest:
+    """The request behind a Run or a ``/race`` call, from its inputs by name (the API has no quantization: none);
+    an empty pair or dtype means the app's default, as :func:`~specdemo.session.request.check_request` reads it."""
+    return RaceRequest(**{**inputs, "pair": inputs.get("pair") or None, "dtype": inputs.get("dtype") or config.dtype})
+
+
+def prepare(racer: Racer, request: RaceRequest, report: Progress | None = None) -> Prepared:
+    """:meth:`Racer.prepare`, a refused request as a plain ``gr.Error``."""
+    try:
+        return racer.prepare(request, report)
+    except InputError as error:
+        raise gr.Error(str(error), print_exception=False) from None
+
+
+def race_updates(
+    racer: Racer, prepared: Prepared, live: Callable[[RaceState], T], final: Callable[[RaceState], T],
+    interval: float = 0.0,
+) -> Iterator[T]:
+    """One race as updates: ``live(state)`` at most every ``interval`` seconds while it runs, then ``final`` of its
+    last state. A failure is one plain ``gr.Error``; closing this closes the race and both decoders."""
+    states = racer.run(prepared)
+    last = time.monotonic()
+    state: RaceState | None = None
+    try:
+        for state in states:
+            if state.done:
+                break
+            now = time.monotonic()
+            if now - last >= interval:
+                yield live(state)
+                last = now
+    except (RuntimeError, ValueError) as error:
+        logger.exception("The race failed")
+        raise gr.Error(f"the race failed: {first_line(error)}", print_exception=False) from None
+    finally:
+        states.close()  # on Stop or a cancelled call, Gradio closes the handler's generator, and this with it
+    if state is not None:
+        yield final(state)
+
+
 class Handlers:
-    """The app's event handlers, bound to one :class:`Racer` (tests drive these directly)."""
+    """The app's event handlers, bound to one :class:`Racer` (tests drive these directly).
 
-    racer: Racer
-    race: Callable[..., Iterator[tuple]]
-    api: Callable[..., Iterator[dict]]
-    race_validator: Callable[..., list[dict]]  # the queue runs these before queueing: bad input never waits
-    api_validator: Callable[..., list[dict]]
+    :attr:`race` (the Run button) and :attr:`api` (the ``/race`` API) hold the GPU on ZeroGPU; the queue runs the
+    validators before queueing, so bad input never waits.
+    """
 
+    def __init__(self, config: AppConfig) -> None:
+        self.config = config
+        self.racer = Racer(config)  # one for all the handlers: the queue runs one race at a time
+        self.race: Callable[..., Iterator[tuple]] = gpu(self.run_race, duration=config.gpu_duration)
+        self.api: Callable[..., Iterator[dict]] = gpu(self.api_race, duration=config.gpu_duration)
 
-def make_handlers(config: AppConfig) -> Handlers:
-    """The handlers of one app: one :class:`Racer` for all of them (the queue runs one race at a time)."""
-    racer = Racer(config)
-
-    def race_handler(
+    def run_race(
+        self,
         prompt: str,
         pair: str,
         target: str,
@@ -174,42 +200,28 @@ def make_handlers(config: AppConfig) -> Handlers:
         progress: gr.Progress = gr.Progress(),
     ) -> Iterator[tuple]:
         """One Run: load, then one race; yields the panes a few times a second and always the final state."""
-        request = RaceRequest(
-            prompt, pair, target, draft, mode, num_draft_tokens, max_new_tokens, temperature, top_p, seed, dtype,
-            quantization, chat,
-        )
+        request = race_request(self.config, dict(
+            prompt=prompt, pair=pair, target=target, draft=draft, mode=mode, num_draft_tokens=num_draft_tokens,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, dtype=dtype,
+            quantization=quantization, chat=chat,
+        ))
 
         def report(fraction: float, message: str) -> None:
             progress(max(0.0, min(1.0, fraction)), desc=message)
 
-        try:
-            prepared = racer.prepare(request, report)
-        except InputError as error:
-            raise gr.Error(str(error), print_exception=False) from None
+        prepared = prepare(self.racer, request, report)
         for warning in prepared.warnings:
             gr.Warning(warning)
         yield starting_view(prepared)
-        states = racer.run(prepared)
-        interval = config.update_interval
-        last = time.monotonic()
-        state: RaceState | None = None
-        try:
-            for state in states:
-                if state.done:
-                    break
-                now = time.monotonic()
-                if now - last >= interval:
-                    yield view(state, prepared, final=False)
-                    last = now
-        except (RuntimeError, ValueError) as error:
-            logger.exception("The race failed")
-            raise gr.Error(f"the race failed: {first_line(error)}", print_exception=False) from None
-        finally:
-            states.close()  # on Stop, Gradio closes this generator: the race and both decoders close with it
-        if state is not None:
-            yield view(state, prepared, final=True)
+        yield from race_updates(
+            self.racer, prepared,
+            live=lambda state: view(state, prepared, final=False),
+            final=lambda state: view(state, prepared, final=True),
+            interval=self.config.update_interval,
+        )
 
     def api_race(
+        self,
         prompt: str,
         pair: str = "",
         mode: str = "draft",
@@ -229,69 +241,43 @@ def make_handlers(config: AppConfig) -> Handlers:
         Yielding every round lets the queue close the race within one round when the client cancels or
         disconnects, so the worker is free for the next visitor.
         """
-        request = api_request(
-            prompt, pair, mode, num_draft_tokens, max_new_tokens, temperature, top_p, seed, chat, target, draft, dtype
+        request = race_request(self.config, dict(
+            prompt=prompt, pair=pair, mode=mode, num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, seed=seed, chat=chat, target=target, draft=draft, dtype=dtype,
+        ))
+        prepared = prepare(self.racer, request)
+        yield from race_updates(
+            self.racer, prepared,
+            live=progress_dict,
+            final=lambda state: result_dict(state, prepared.format_reason, prepared.calibration),
         )
-        try:
-            prepared = racer.prepare(request)
-        except InputError as error:
-            raise gr.Error(str(error), print_exception=False) from None
-        states = racer.run(prepared)
-        state = None
-        try:
-            for state in states:
-                if state.done:
-                    break
-                yield progress_dict(state)
-        except (RuntimeError, ValueError) as error:
-            logger.exception("The race failed")
-            raise gr.Error(f"the race failed: {first_line(error)}", print_exception=False) from None
-        finally:
-            states.close()
-        assert state is not None
-        yield result_dict(state, prepared.format_reason, prepared.calibration)
 
-    def validation(request: RaceRequest, names: Sequence[str]) -> list[dict]:
+    def race_validator(self, *values: Any) -> list[dict]:
+        """The Run's validator: its inputs in :data:`INPUTS` order."""
+        return self.validation(race_request(self.config, dict(zip(INPUTS, values))), INPUTS)
+
+    def api_validator(self, *values: Any, **named: Any) -> list[dict]:
+        """The ``/race`` API's validator: its inputs as :meth:`api_race` takes them, in order or by name."""
+        inputs = inspect.signature(self.api_race).bind(*values, **named)
+        inputs.apply_defaults()
+        return self.validation(race_request(self.config, inputs.arguments), API_INPUTS)
+
+    def validation(self, request: RaceRequest, names: Sequence[str]) -> list[dict]:
         """One ``gr.validate`` per input: the cheap checks of :meth:`Racer.check`, the message on the input at
         fault (or on the prompt)."""
         try:
-            racer.check(request)
+            self.racer.check(request)
         except InputError as error:
             log_refusal(str(error))
             blamed = error.field if error.field in names else names[0]
             return [gr.validate(name != blamed, str(error) if name == blamed else "") for name in names]
         return [gr.validate(True, "") for _ in names]
 
-    def race_validator(*values: Any) -> list[dict]:
-        return validation(RaceRequest(*values), INPUTS)
 
-    def api_request(
-        prompt: str,
-        pair: str = "",
-        mode: str = "draft",
-        num_draft_tokens: str = "adaptive",
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        chat: bool = True,
-        target: str = "",
-        draft: str = "",
-        dtype: str = "",
-    ) -> RaceRequest:
-        """The request behind a ``/race`` call (its inputs in :data:`API_INPUTS` order)."""
-        return RaceRequest(
-            prompt, pair or None, target, draft, mode, num_draft_tokens, max_new_tokens, temperature, top_p, seed,
-            dtype or config.dtype, "none", chat,
-        )
+#: the ``/race`` API's inputs, in order: the parameters of :meth:`Handlers.api_race`, as clients see them
+API_INPUTS = tuple(name for name in inspect.signature(Handlers.api_race).parameters if name != "self")
 
-    def api_validator(*values: Any, **named: Any) -> list[dict]:
-        return validation(api_request(*values, **named), API_INPUTS)
 
-    return Handlers(
-        racer,
-        gpu(race_handler, duration=config.gpu_duration),
-        gpu(api_race, duration=config.gpu_duration),
-        race_validator,
-        api_validator,
-    )
+def make_handlers(config: AppConfig) -> Handlers:
+    """The handlers of one app: one :class:`Racer` for all of them (the queue runs one race at a time)."""
+    return Handlers(config)

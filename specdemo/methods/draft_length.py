@@ -1,4 +1,6 @@
-"""How many tokens to draft each round: fixed, HF's +2/-1 heuristic, or a cost-aware adaptive policy."""
+"""How many tokens to draft each round: fixed, HF's +2/-1 heuristic, or a cost-aware adaptive policy; and, for
+drafters that propose token trees, how many of their candidates to verify and when to rest (:class:`TreeSizer`,
+one policy for Medusa and EAGLE alike)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import logging
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..core.economics import (
     PAYING_ACCEPTANCE,
@@ -31,6 +33,10 @@ SWITCH_MARGIN = 0.03
 #: a verify length's cost (and the draft's cost per token) is a low quantile of its latest measurements: slow
 #: outliers (another process, a page fault) cannot move it, and there are no fast ones
 RECENT_PASSES = 5
+#: the most rounds a tree drafter sits out (its heads not run) after trees that did not pay, before it looks again
+MAX_REST = 32
+#: how much of their weight a tree drafter's calibration and its trees' record keep from one round to the next
+TREE_DECAY = 0.9
 #: stands in a run of measurements for the calibrated cost (see :meth:`CostAwareDraftLength._refresh_estimates`)
 PRIOR = None
 
@@ -365,6 +371,121 @@ class TreeBudget(CostAwareDraftLength):
         if not self._verify_time:
             return 1.0
         return self._verify_cost(length)
+
+
+def lean_low(previous: float | None, seconds: float) -> float:
+    """A running timing that leans low: a new measurement pulls it down at once and up by a fifth, so a slow
+    outlier (another process) barely moves it."""
+    return seconds if previous is None else min(seconds, 0.8 * previous + 0.2 * seconds)
+
+
+class TreeSizer:
+    """How much of a tree to verify, and when to rest: the one decision every tree drafter (Medusa, EAGLE) leaves
+    to it.
+
+    A drafter hands it its candidates' path probabilities, best first (every prefix a tree), and the seconds its
+    drafting took; :meth:`keep` returns the count that maximises expected tokens per second under ``verify_cost``
+    (seconds of a verify pass over n tokens, from :class:`TreeBudget`; without it, every candidate), none when a
+    plain step is better. The probabilities are scaled by the drafter's record (observed over predicted accepted
+    tokens of its recent trees, :meth:`observe`), since heads' probabilities are not calibrated. After a tree that
+    does not pay the drafter rests (its heads not run) 1, 2, 4 ... up to :data:`MAX_REST` rounds, and the record
+    drifts back toward trusting it, so that a later stretch of predictable text can win it back."""
+
+    def __init__(self, verify_cost: Callable[[int], float] | None = None) -> None:
+        self.verify_cost = verify_cost
+        self._expected = 0.0  # predicted accepted tokens, summed over rounds (decayed)
+        self._observed = 0.0  # ... and accepted
+        self._last_expected = 0.0  # the tree just proposed: its predicted accepted tokens
+        self._rest = 1  # rounds to sit out after the next round whose best tree does not pay
+        self._resting = 0  # rounds left to sit out now
+
+    def start(self) -> None:
+        """A new sequence: no rest owed (the record of calibration is kept)."""
+        self._rest, self._resting = 1, 0
+
+    @property
+    def calibration(self) -> float:
+        """Observed over predicted accepted tokens of recent trees."""
+        return (self._observed + 1.0) / (self._expected + 1.0)
+
+    def best_size(self, probs: Sequence[float], draft_seconds: float, ratio: float | None = None,
+                  ) -> tuple[int, float, float]:
+        """(count, tokens per second, expected tokens) of the best tree made of the first ``count`` of ``probs``
+        (scaled by ``ratio``; None: the calibration), the verify pass and ``draft_seconds`` of drafting counted;
+        count 0 is a plain step. Needs ``verify_cost``."""
+        assert self.verify_cost is not None
+        ratio = self.calibration if ratio is None else ratio
+        best_count, best_rate, best_expected = 0, 1.0 / self.verify_cost(1), 1.0
+        expected = 1.0
+        for count, prob in enumerate(probs, start=1):
+            expected += ratio * prob
+            rate = expected / (draft_seconds + self.verify_cost(count + 1))
+            if rate > best_rate:
+                best_count, best_rate, best_expected = count, rate, expected
+        return best_count, best_rate, best_expected
+
+    def keep(self, probs: Sequence[float], draft_seconds: float, ratio: float | None = None) -> int:
+        """How many of the best candidates pay for their place in the verify pass (all, without a cost model)."""
+        if self.verify_cost is None or not probs:
+            return len(probs)
+        return self.best_size(probs, draft_seconds, ratio)[0]
+
+    def step_may_pay(self, probs: Sequence[float], frontier: Sequence[float], max_children: int, max_nodes: int,
+                     spent: float, step_seconds: float | None) -> bool:
+        """Whether one more drafting step could make the tree pay more than the best tree of the candidates drafted
+        so far (``probs``, every node's path probability; ``spent`` seconds of drafting). The step drafts up to
+        ``max_children`` children of the ``frontier`` nodes (their path probabilities), each worth at most its
+        parent and in sum at most the frontier's; it costs ``step_seconds`` and a verify pass as many nodes longer
+        (at ``max_nodes``, a child takes the place of the weakest kept node): without a cost model or a measured
+        step, always."""
+        if self.verify_cost is None or step_seconds is None:
+            return True
+        ranked = sorted(probs, reverse=True)[:max_nodes]
+        count, rate, expected = self.best_size(ranked, spent)
+        ratio = self.calibration
+        best, mass = max(frontier), sum(frontier)
+        for children in range(1, max_children + 1):
+            displaced = max(0, count + children - max_nodes)  # over the budget a child takes a kept node's place
+            if displaced > count:
+                break
+            gain = ratio * (min(children * best, mass) - sum(ranked[count - displaced : count]))
+            nodes = count + children - displaced
+            if (expected + gain) / (spent + step_seconds + self.verify_cost(nodes + 1)) > rate:
+                return True
+        return False
+
+    def proposed(self, expected: float, kept: int | None) -> None:
+        """The tree proposed: its predicted accepted tokens (``expected``, uncalibrated) and how many of the
+        drafter's own nodes it kept (None: the drafter did not run this round, which paces nothing)."""
+        self._last_expected = expected
+        if kept is not None:
+            self._pace(kept)
+
+    def resting(self) -> bool:
+        """Whether the drafter sits this round out (each call uses up one round of rest)."""
+        if self._resting > 0:
+            self._resting -= 1
+            return True
+        return False
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """A verified round: ``num_accepted`` of the drafter's own tokens accepted from the tree last proposed."""
+        if num_draft_tokens and self._last_expected > 0:
+            self._expected = TREE_DECAY * self._expected + self._last_expected
+            self._observed = TREE_DECAY * self._observed + num_accepted
+
+    def _pace(self, kept: int) -> None:
+        """After a tree that pays, no rest; after one that does not, rest ``_rest`` rounds (doubling up to
+        :data:`MAX_REST` while no tree pays) and let the record drift back toward trusting the drafter."""
+        if self.verify_cost is None:
+            return
+        if kept > 0:
+            self._rest = 1
+            return
+        self._resting = self._rest
+        self._rest = min(2 * self._rest, MAX_REST)
+        self._expected *= TREE_DECAY
+        self._observed *= TREE_DECAY
 
 
 def make_policy(

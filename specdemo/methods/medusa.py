@@ -1,34 +1,22 @@
-"""Medusa heads: extra prediction heads on the target's own last hidden state (Cai et al. 2024, Medusa-1).
-
-Head k (1-based) guesses the token k + 1 positions ahead of the position whose hidden state it reads; the target's
-own LM head gives the token right after. Each head is ``num_layers`` residual blocks ``h + SiLU(W h + b)`` on the
-target's final (post-norm) hidden state, then an LM head: the target's own, frozen and shared (this project's
-heads; optionally scored over a token subset, as the draft model's head is), or a head of its own (the layout of
-FasterDecoding/Medusa's published checkpoints, which this module also loads).
-
-On disk (FasterDecoding's layout): a folder with ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``,
-``base_model_name_or_path``) and ``medusa_lm_head.safetensors`` (or ``.pt``) with keys
-``{head}.{layer}.linear.weight|bias`` and, for heads with an LM head of their own, ``{head}.{num_layers}.weight``.
+"""Medusa drafting (Cai et al. 2024, Medusa-1): a chain of each head's top token, or under greedy settings a tree of
+the heads' likeliest candidates, from heads on the target's own last hidden state (the heads' model is
+:mod:`specdemo.backends.medusa_heads`, their checkpoints :mod:`specdemo.backends.medusa_checkpoint`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from torch import nn
 
 from ..backends.formats import output_weight
 from ..backends.loading import LoadedModel
+from ..backends.medusa_checkpoint import heads_for
+from ..backends.medusa_heads import MedusaHeads
 from ..core.acceptance import target_distribution
 from ..core.clock import now
-from ..core.errors import InputError
-from ..core.files import file_sha256
 from ..core.protocol import DraftLengthPolicy, Proposal, RoundResult, TargetPass
 from ..core.settings import SamplingSettings
 from ..core.tree import build_tree
@@ -42,225 +30,9 @@ from .base import (
     to_target_vocab,
     tree_verify_cost,
 )
+from .draft_length import TreeSizer, lean_low
 
 logger = logging.getLogger(__name__)
-
-WEIGHTS_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
-#: the heads shipped for the offline target, and the sha256 of their weights file (checked on load)
-SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
-    "qwen2.5-coder-1.5b": (
-        Path(__file__).resolve().parents[1] / "data" / "medusa" / "qwen2.5-coder-1.5b",
-        "9802afabf635fe464379397be83dfda1a07641f72e14e2168248b383eb2e13ff",
-    ),
-}
-
-
-class MedusaLoadError(ValueError):
-    """Heads that cannot be loaded or do not fit the target, with a message fit to show as is."""
-
-
-@dataclass(frozen=True)
-class MedusaConfig:
-    num_heads: int
-    num_layers: int
-    hidden_size: int
-    vocab_size: int  # rows of the LM head the heads score (the target's, when it is shared)
-    own_lm_head: bool = False
-    head_tokens: int = 0  # score only the lowest this many ids (plus the prompt's); 0 = all
-    base_model: str = ""
-
-
-class ResidualBlock(nn.Module):
-    """``h + SiLU(W h + b)`` with W zero-initialised, so an untrained head starts as the target's own head."""
-
-    def __init__(self, hidden_size: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + nn.functional.silu(self.linear(hidden))
-
-
-class MedusaHeads(nn.Module):
-    """The heads. ``features`` maps hidden states [n, H] to each head's input to an LM head, [K, n, H];
-    ``logits`` scores them with the shared LM head weight (rows ``token_ids`` only, when given) or each head's own."""
-
-    def __init__(self, config: MedusaConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.blocks = nn.ModuleList(
-            nn.Sequential(*[ResidualBlock(config.hidden_size) for _ in range(config.num_layers)])
-            for _ in range(config.num_heads)
-        )
-        self.lm_heads = (
-            nn.ModuleList(nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads))
-            if config.own_lm_head
-            else None
-        )
-
-    def features(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.stack([block(hidden) for block in self.blocks])
-
-    def logits(
-        self, hidden: torch.Tensor, shared_weight: torch.Tensor | None, token_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """[K, n, V'] logits; V' = len(token_ids) when given (rows of the vocabulary), else the whole vocabulary."""
-        features = self.features(hidden)
-        if self.lm_heads is not None:
-            rows = [head(features[k]) for k, head in enumerate(self.lm_heads)]
-            stacked = torch.stack(rows)
-            return stacked if token_ids is None else stacked.index_select(-1, token_ids)
-        if shared_weight is None:
-            raise ValueError("these heads share the target's LM head: pass its weight")
-        weight = shared_weight if token_ids is None else shared_weight.index_select(0, token_ids)
-        return features.to(weight.dtype) @ weight.T  # an int8-weight target's head is shared as bfloat16
-
-    # -- files ---------------------------------------------------------------------------------------------------
-    def state_in_fasterdecoding_layout(self) -> dict[str, torch.Tensor]:
-        state: dict[str, torch.Tensor] = {}
-        for k, block in enumerate(self.blocks):
-            for layer, residual in enumerate(block):
-                state[f"{k}.{layer}.linear.weight"] = residual.linear.weight.detach()
-                state[f"{k}.{layer}.linear.bias"] = residual.linear.bias.detach()
-            if self.lm_heads is not None:
-                state[f"{k}.{self.config.num_layers}.weight"] = self.lm_heads[k].weight.detach()
-        return state
-
-    def save(self, folder: Path, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> str:
-        """Write config.json and medusa_lm_head.safetensors; returns the weights file's sha256."""
-        from safetensors.torch import save_file
-
-        folder.mkdir(parents=True, exist_ok=True)
-        state = {name: tensor.to(dtype).contiguous() for name, tensor in self.state_in_fasterdecoding_layout().items()}
-        weights = folder / WEIGHTS_NAMES[0]
-        save_file(state, str(weights))
-        config = {
-            "medusa_num_heads": self.config.num_heads,
-            "medusa_num_layers": self.config.num_layers,
-            "base_model_name_or_path": self.config.base_model,
-            "hidden_size": self.config.hidden_size,
-            "vocab_size": self.config.vocab_size,
-            "shared_lm_head": not self.config.own_lm_head,
-            "head_tokens": self.config.head_tokens,
-            "torch_dtype": str(dtype).replace("torch.", ""),
-        }
-        config.update(extra or {})
-        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        return file_sha256(weights)
-
-
-def _read_state(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    for name in WEIGHTS_NAMES:
-        path = folder / name
-        if not path.is_file():
-            continue
-        try:
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                return load_file(str(path)), path
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # corrupt or foreign file: one line, not a traceback
-            raise MedusaLoadError(f"cannot read Medusa heads from {path}: {type(error).__name__}: {error}") from None
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise MedusaLoadError(f"{path} holds no tensor dictionary of Medusa heads")
-        return state, path
-    raise MedusaLoadError(f"no Medusa heads in {folder}: expected {' or '.join(WEIGHTS_NAMES)} and config.json")
-
-
-def load_heads(
-    source: str | Path,
-    hidden_size: int,
-    vocab_size: int,
-    expected_sha256: str | None = None,
-) -> MedusaHeads:
-    """Heads from a folder in FasterDecoding's layout, checked against the target's hidden size and vocabulary.
-
-    ``expected_sha256``: refuse a weights file whose digest differs (the shipped heads are checked this way).
-    """
-    folder = Path(source).expanduser()
-    if not folder.is_dir():
-        raise MedusaLoadError(f"Medusa heads not found: {source} is not a folder")
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-        num_heads = int(raw["medusa_num_heads"])
-        num_layers = int(raw.get("medusa_num_layers", 1))
-    except FileNotFoundError:
-        raise MedusaLoadError(f"no config.json in {folder}: not a Medusa heads folder") from None
-    except (ValueError, KeyError, TypeError) as error:
-        raise MedusaLoadError(f"{folder / 'config.json'} is not a Medusa config ({error})") from None
-    state, weights_path = _read_state(folder)
-    if expected_sha256 is not None:
-        digest = file_sha256(weights_path)
-        if digest != expected_sha256:
-            raise MedusaLoadError(
-                f"{weights_path} is damaged or replaced: sha256 {digest[:16]}…, expected {expected_sha256[:16]}…"
-            )
-    if num_heads < 1 or num_layers < 0:
-        raise MedusaLoadError(f"{folder}: medusa_num_heads must be >= 1 and medusa_num_layers >= 0")
-    own_lm_head = f"0.{num_layers}.weight" in state
-    for k in range(num_heads):
-        for layer in range(num_layers):
-            weight = state.get(f"{k}.{layer}.linear.weight")
-            if weight is None or f"{k}.{layer}.linear.bias" not in state:
-                raise MedusaLoadError(f"{weights_path}: missing weights of head {k}, layer {layer}")
-            if tuple(weight.shape) != (hidden_size, hidden_size):
-                raise MedusaLoadError(
-                    f"these Medusa heads are for hidden size {weight.shape[-1]}, the target's is {hidden_size}"
-                )
-        if own_lm_head:
-            head = state.get(f"{k}.{num_layers}.weight")
-            if head is None:
-                raise MedusaLoadError(f"{weights_path}: head {k} has no LM head weight")
-            if head.shape[1] != hidden_size:
-                raise MedusaLoadError(
-                    f"these Medusa heads are for hidden size {head.shape[1]}, the target's is {hidden_size}"
-                )
-            if head.shape[0] != vocab_size:
-                raise MedusaLoadError(
-                    f"these Medusa heads score a vocabulary of {head.shape[0]} tokens, the target's has {vocab_size}"
-                )
-    declared_vocab = raw.get("vocab_size")
-    if not own_lm_head and declared_vocab is not None and int(declared_vocab) != vocab_size:
-        raise MedusaLoadError(f"these Medusa heads are for a vocabulary of {declared_vocab} tokens, the target's has "
-                              f"{vocab_size}")
-    if num_layers == 0 and not own_lm_head:
-        raise MedusaLoadError(f"{weights_path}: heads with no layers need an LM head of their own")
-    config = MedusaConfig(
-        num_heads=num_heads,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        vocab_size=vocab_size,
-        own_lm_head=own_lm_head,
-        head_tokens=int(raw.get("head_tokens", 0) or 0),
-        base_model=str(raw.get("base_model_name_or_path", "")),
-    )
-    heads = MedusaHeads(config)
-    own = heads.state_in_fasterdecoding_layout()
-    with torch.no_grad():
-        for name, tensor in own.items():
-            tensor.copy_(state[name].float())
-    heads.eval().requires_grad_(False)
-    return heads
-
-
-def shipped_heads_for(target_source: str) -> tuple[Path, str] | None:
-    """(folder, sha256) of the heads shipped with specdemo for this target (an offline-pack name), or None."""
-    from ..backends.offline import is_offline_source, offline_name
-
-    if not is_offline_source(target_source):
-        return None
-    return SHIPPED_HEADS.get(offline_name(target_source))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# drafting
-
-
-#: the most rounds a tree drafter sits out (heads not scored) after trees that did not pay, before it looks again
-MAX_REST = 32
 
 
 class MedusaDrafter:
@@ -303,16 +75,11 @@ class MedusaDrafter:
         self.top_width = top_width
         self.head_tokens = heads.config.head_tokens if head_tokens is None else head_tokens
         self.generator = generator
-        self.verify_cost = verify_cost
+        self.sizer = TreeSizer(verify_cost)
         self._hidden: torch.Tensor | None = None
         self._token_ids: torch.Tensor | None = None
         self._weight: torch.Tensor | None = None
-        self._expected = 0.0  # predicted accepted tokens, summed over rounds (decayed), for calibrating scores
-        self._observed = 0.0
-        self._last_expected = 0.0  # the tree just proposed: its predicted accepted tokens
         self._heads_seconds: float | None = None  # scoring the heads, seconds a round (an average that leans low)
-        self._rest = 1  # rounds to sit out (heads not scored) after the next round whose best tree does not pay
-        self._resting = 0  # rounds left to sit out now
 
     @property
     def num_heads(self) -> int:
@@ -322,7 +89,7 @@ class MedusaDrafter:
         if prefill is None or prefill.hidden_states is None:
             raise ValueError("Medusa heads need the target's hidden states from the prompt's pass")
         self._hidden = prefill.hidden_states[-1]
-        self._rest, self._resting = 1, 0
+        self.sizer.start()
         device = self._hidden.device
         vocab = self.target_vocab_size
         self._token_ids = None
@@ -348,24 +115,20 @@ class MedusaDrafter:
         return index if self._token_ids is None else self._token_ids[index]
 
     @torch.inference_mode()
-    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
-        if max_tokens <= 0 or self._hidden is None:
+    def propose(self, context: Sequence[int], num_draft_tokens: int) -> Proposal:
+        if num_draft_tokens <= 0 or self._hidden is None:
             return Proposal()
-        if self._resting > 0:  # the last trees did not pay for the heads: a plain step, heads not even scored
-            self._resting -= 1
+        if self.sizer.resting():  # the last trees did not pay for the heads: a plain step, heads not even scored
             return Proposal()
         started = now(self._hidden.device)
-        logits = self._head_logits()[: min(self.num_heads, max_tokens) if not self.tree else self.num_heads]
+        logits = self._head_logits()[: min(self.num_heads, num_draft_tokens) if not self.tree else self.num_heads]
         if self.tree:
             probs = logits.float().softmax(-1)
             top = probs.topk(min(self.top_width, probs.shape[-1]), dim=-1)
-            tokens, parents, scores = build_tree(top.values, self._vocab_id(top.indices), max_tokens)
-            seconds = now(self._hidden.device) - started
-            self._heads_seconds = seconds if self._heads_seconds is None else min(seconds, 0.8 * self._heads_seconds
-                                                                                  + 0.2 * seconds)
-            count = self._tree_size(scores)
-            self._last_expected = sum(scores[:count])
-            self._pace(count)
+            tokens, parents, scores = build_tree(top.values, self._vocab_id(top.indices), num_draft_tokens)
+            self._heads_seconds = lean_low(self._heads_seconds, now(self._hidden.device) - started)
+            count = self.sizer.keep(scores, self._heads_seconds)
+            self.sizer.proposed(sum(scores[:count]), count)
             return Proposal(tokens[:count], None, 0.0, parents[:count])
         if self.sampling.greedy:
             return Proposal([int(t) for t in self._vocab_id(logits.argmax(-1)).tolist()])
@@ -377,48 +140,13 @@ class MedusaDrafter:
             rows.append(to_target_vocab(probs, self._token_ids, self.target_vocab_size))
         return Proposal(tokens, torch.stack(rows))
 
-    def _pace(self, count: int) -> None:
-        """After a tree that pays, score the heads every round; after one that does not, sit out ``_rest`` rounds
-        (1, 2, 4 ... up to :data:`MAX_REST` while no tree pays), and let the calibration of the heads' scores drift
-        back toward trusting them, so that a later stretch of predictable text can win them back."""
-        if self.verify_cost is None:
-            return
-        if count > 0:
-            self._rest = 1
-            return
-        self._resting = self._rest
-        self._rest = min(2 * self._rest, MAX_REST)
-        self._expected *= 0.9
-        self._observed *= 0.9
-
-    def _tree_size(self, scores: list[float]) -> int:
-        """How many of the best nodes pay for their place in the verify pass, the heads' own cost counted (all,
-        without a cost model)."""
-        if self.verify_cost is None or not scores:
-            return len(scores)
-        # heads' probabilities are not calibrated: scale them by how many tokens such trees really gave
-        ratio = (self._observed + 1.0) / (self._expected + 1.0)
-        heads = self._heads_seconds or 0.0
-        best_count, best_rate = 0, 1.0 / self.verify_cost(1)
-        expected = 1.0
-        for count, score in enumerate(scores, start=1):
-            expected += ratio * score
-            rate = expected / (heads + self.verify_cost(count + 1))
-            if rate > best_rate:
-                best_count, best_rate = count, rate
-        return best_count
-
     def feedback(self, result: RoundResult) -> None:
         if result.target_pass is None or result.target_pass.hidden_states is None:
             raise ValueError("Medusa heads need the target's hidden states from every verify pass")
         self._hidden = result.target_pass.hidden_states[result.verdict.last_row]
-        if self.tree and result.num_drafted:
-            self._expected = 0.9 * self._expected + self._last_expected
-            self._observed = 0.9 * self._observed + result.num_accepted
+        if self.tree:
+            self.sizer.observe(result.num_drafted, result.num_accepted)
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# the two modes
 
 
 @dataclass(frozen=True)
@@ -429,37 +157,6 @@ class MedusaOptions:
 
     def validate(self) -> None:
         pass
-
-
-#: Medusa heads loaded per target model (freed with it), by source folder
-_HEADS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, MedusaHeads]]" = weakref.WeakKeyDictionary()
-
-
-def heads_for(target: LoadedModel, source: str | None = None) -> MedusaHeads:
-    """The Medusa heads for ``target`` in its format and on its device: from ``source`` (a folder), or the heads
-    shipped for an offline target (sha256-checked); InputError with one line when there are none or they misfit."""
-    expected_sha256 = None
-    if source is None:
-        shipped = shipped_heads_for(target.source)
-        if shipped is None:
-            raise InputError(
-                f"no Medusa heads ship for {target.source}: name a heads folder (--medusa-heads PATH), or use "
-                "offline:qwen2.5-coder-1.5b",
-                field="medusa_heads",
-            )
-        folder, expected_sha256 = shipped
-        source = str(folder)
-    per_model = _HEADS.setdefault(target.model, {})
-    if source in per_model:
-        return per_model[source]
-    head = target.model.get_output_embeddings()
-    try:
-        heads = load_heads(source, head.in_features, head.out_features, expected_sha256)
-    except MedusaLoadError as error:
-        raise InputError(str(error), field="medusa_heads") from None
-    heads = heads.to(device=target.device, dtype=target.dtype)
-    per_model[source] = heads
-    return heads
 
 
 def _check(target: LoadedModel, draft: LoadedModel | None, options: Any) -> None:

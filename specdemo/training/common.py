@@ -9,6 +9,8 @@
   by batch, so a restart carries on; a trainer may start from another trainer's answers to the same prompts.
 - **Shards**: what a trainer stores of the target's pass over each sequence, a fixed number of sequences per file,
   each file written whole or not at all, so a restart resumes where the cache stopped.
+- **Run steps**: the standard-library corpus listed and cached, training checkpoints kept only for the settings
+  that wrote them, and the ``training.json`` beside the weights.
 """
 
 from __future__ import annotations
@@ -16,22 +18,32 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import math
 import random
 import shutil
 import sys
 import sysconfig
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
 from tqdm import tqdm
 
-from .corpus import CHAT_PROMPTS_VERSION, PASSAGE_PROMPTS_VERSION, TrainingPrompt, training_prompts
+from ..core.files import atomic_path
+from .corpus import (
+    CHAT_PROMPTS_VERSION,
+    PASSAGE_PROMPTS_VERSION,
+    TrainingPrompt,
+    training_prompts,
+)
 
 if TYPE_CHECKING:
     from ..backends.loading import LoadedModel
+
+logger = logging.getLogger(__name__)
 
 #: folders of the standard library left out of the corpus (tests, demos, vendored third-party code)
 EXCLUDED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "ensurepip", "turtledemo", "__pycache__"}
@@ -350,3 +362,57 @@ def read_shards(folder: Path, name: str) -> list[dict]:
     if not shards:
         raise FileNotFoundError(f"no cached {name} shards in {folder}")
     return [torch.load(path, weights_only=True) for path in shards]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# run steps
+
+#: a trainer's cache of one split: ``cache(sequences, folder, "train" or "heldout")`` stores them in shards
+CacheSplit = Callable[[list[dict], Path, str], None]
+
+
+def cache_splits(cache: CacheSplit, train: list[dict], held: list[dict], folder: Path) -> float:
+    """Cache the training and held-out sequences in ``folder``; the seconds it took."""
+    started = time.perf_counter()
+    cache(train, folder, "train")
+    cache(held, folder, "heldout")
+    return time.perf_counter() - started
+
+
+def code_corpus(tokenizer, spec: CorpusSpec, folder: Path, cache: CacheSplit) -> tuple[list[dict], list[dict], float]:
+    """The standard-library sequences (:func:`build_sequences`), their files listed in ``folder/corpus.json`` and
+    cached there: (training, held-out, seconds caching)."""
+    train, held = build_sequences(tokenizer, spec)
+    logger.info("corpus: %d training and %d held-out sequences", len(train), len(held))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "corpus.json").write_text(json.dumps({"files": sorted({s["file"] for s in train}),
+                                                    "held_out_files": sorted({s["file"] for s in held})}, indent=1))
+    return train, held, cache_splits(cache, train, held, folder)
+
+
+def read_checkpoint(path: Path, key_name: str, key: object) -> dict | None:
+    """The checkpoint at ``path`` if there is one and its ``key_name`` entry is ``key`` (the run's settings),
+    else None."""
+    if not path.is_file():
+        return None
+    saved = torch.load(path, weights_only=True)
+    return saved if saved.get(key_name) == key else None
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write a checkpoint whole or not at all."""
+    with atomic_path(path) as partial:
+        torch.save(state, partial)
+
+
+def run_record(module: str, settings: CorpusSettings) -> dict:
+    """The first entries of a ``training.json``: the command as run and the settings (paths as text, without
+    ``extra``)."""
+    return {"command": f"python -m {module} " + " ".join(sys.argv[1:]),
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()
+                         if k != "extra"}}
+
+
+def write_training_json(folder: Path, report: dict) -> None:
+    """Write the run's report as ``folder/training.json``."""
+    (folder / "training.json").write_text(json.dumps(report, indent=2) + "\n")

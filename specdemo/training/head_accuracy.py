@@ -22,14 +22,15 @@ from typing import Any
 
 import torch
 
+from ..backends.eagle3_checkpoint import head_for
 from ..backends.loading import LoadSettings, ModelLoadError, load_model
 from ..backends.offline import OfflinePackError
 from ..core.errors import InputError, first_line
 from ..core.files import write_json_atomic
-from ..methods.eagle import head_for
 from ..methods.ngram import NgramIndex, NgramOptions
 from ..session.results import PlainRun, read_plain_runs
-from .eagle import Split, evaluate, make_batch, sequence_states, unrolled_forward
+from .eagle_cache import sequence_states
+from .eagle_unrolled import Split, evaluate, make_batch, unrolled_forward
 
 logger = logging.getLogger(__name__)
 

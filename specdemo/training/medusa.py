@@ -29,22 +29,29 @@ import math
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from ..methods.medusa import MedusaConfig, MedusaHeads
+from ..backends.medusa_heads import MedusaConfig, MedusaHeads
 from .common import (
+    ANSWERS_FILE,
     CACHE_HOME,
     CorpusSettings,
     add_corpus_arguments,
     answer_sequences,
-    build_sequences,
+    cache_splits,
+    code_corpus,
     generate_answers,
+    read_checkpoint,
     read_shards,
+    run_record,
+    save_checkpoint,
     write_shards,
+    write_training_json,
 )
 
 logger = logging.getLogger(__name__)
@@ -171,139 +178,205 @@ def evaluate(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, wei
     return [round(float(c / t), 4) if t > 0 else 0.0 for c, t in zip(correct, total)]
 
 
-def train(settings: TrainSettings) -> dict:
-    """The whole run: corpus, cache, training, held-out accuracy, heads written to ``settings.out``."""
-    from ..backends.loading import LoadSettings, load_model
+@dataclass
+class Corpus:
+    """The corpus as cached: the standard-library sequences, the answers' figures (empty: no answers), the target's
+    LM head rows the heads score (``weight``, float32), its hidden size and vocabulary, and the seconds spent
+    answering and caching."""
 
-    started = time.perf_counter()
-    torch.manual_seed(settings.seed)
+    train_seqs: list[dict]
+    held_seqs: list[dict]
+    answer_counts: dict
+    weight: torch.Tensor
+    hidden_size: int
+    vocab_size: int
+    answer_seconds: float
+    cache_seconds: float
+
+
+def cache_corpus(settings: TrainSettings) -> Corpus:
+    """Load the target, cache its hidden states and greedy tokens over the standard-library sequences and, with
+    ``--answers``, over its own answers (generated first), keep the LM head rows the heads score and release it."""
+    from ..backends.loading import LoadSettings, clear_model_cache, load_model
+
     loaded = load_model(settings.target, LoadSettings(dtype=settings.dtype), progress=True)
-    model = loaded.model
-    head_weight = model.get_output_embeddings().weight.detach()
-    hidden_size, vocab_size = head_weight.shape[1], head_weight.shape[0]
-    folder = settings.cache_path()
-    train_seqs, held_seqs = build_sequences(loaded.tokenizer, settings.corpus_spec())
-    logger.info("corpus: %d training and %d held-out sequences", len(train_seqs), len(held_seqs))
-    cache_dir_note = {"files": sorted({s["file"] for s in train_seqs}), "held_out_files": sorted({s["file"] for s in held_seqs})}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "corpus.json").write_text(json.dumps(cache_dir_note, indent=1))
-    cache_started = time.perf_counter()
-    cache_split(model, train_seqs, folder, "train", settings.num_heads)
-    cache_split(model, held_seqs, folder, "heldout", settings.num_heads)
-    cache_seconds = time.perf_counter() - cache_started
+    head_weight = loaded.model.get_output_embeddings().weight.detach()
+    spec = settings.corpus_spec()
+    cache = partial(cache_split, loaded.model, max_heads=settings.num_heads)
+    train_seqs, held_seqs, cache_seconds = code_corpus(loaded.tokenizer, spec, settings.cache_path(), cache)
     answer_seconds = 0.0
     answer_counts: dict = {}
     if settings.answers:
         answer_started = time.perf_counter()
-        answers_folder = settings.answers_path()
-        answers = generate_answers(loaded, settings.corpus_spec(), answers_folder / "answers.jsonl")
+        answers = generate_answers(loaded, spec, settings.answers_path() / ANSWERS_FILE)
         answer_seconds = time.perf_counter() - answer_started
-        answer_train, answer_held = answer_sequences(loaded.tokenizer, answers, settings.corpus_spec())
-        cache_started = time.perf_counter()
-        cache_split(model, answer_train, answers_folder, "train", settings.num_heads)
-        cache_split(model, answer_held, answers_folder, "heldout", settings.num_heads)
-        cache_seconds += time.perf_counter() - cache_started
+        answer_train, answer_held = answer_sequences(loaded.tokenizer, answers, spec)
+        cache_seconds += cache_splits(cache, answer_train, answer_held, settings.answers_path())
         answer_counts = {"training_sequences": len(answer_train), "held_out_sequences": len(answer_held),
                          "prompts_per_kind": dict(Counter(row["kind"] for row in answers)),
                          "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in answers) / max(1, len(answers)),
                                                      1)}
-
     weight = head_weight[: settings.head_tokens] if settings.head_tokens else head_weight
-    weight = weight.float().contiguous()
-    del loaded, model
-    from ..backends.loading import clear_model_cache
-
+    corpus = Corpus(train_seqs, held_seqs, answer_counts, weight.float().contiguous(), head_weight.shape[1],
+                    head_weight.shape[0], answer_seconds, cache_seconds)
+    del loaded, head_weight, weight, cache
     clear_model_cache()
+    return corpus
+
+
+@dataclass
+class States:
+    """The cached states training reads: hidden states [P, H] and labels [K + 1, P] (row k - 1: head k's target)
+    of every training position, the standard library's then the answers'; the held-out (hidden, labels) of the
+    standard library and of the answers (None: no answers); the standard library's training positions."""
+
+    hidden: torch.Tensor
+    labels: torch.Tensor
+    held: tuple[torch.Tensor, torch.Tensor]
+    answers_held: tuple[torch.Tensor, torch.Tensor] | None
+    code_positions: int
+
+
+def load_states(settings: TrainSettings, answer_counts: dict) -> States:
+    """The cached states of the corpus and, with ``--answers``, of the answers (their positions counted in
+    ``answer_counts``)."""
+    folder = settings.cache_path()
     hidden, labels = load_split(folder, "train")
-    held_hidden, held_labels = load_split(folder, "heldout")
+    held = load_split(folder, "heldout")
     code_positions = int(hidden.shape[0])
+    answers_held = None
     if settings.answers:
         answer_hidden, answer_labels = load_split(settings.answers_path(), "train")
         hidden, labels = torch.cat([hidden, answer_hidden]), torch.cat([labels, answer_labels], dim=1)
-        answer_held_hidden, answer_held_labels = load_split(settings.answers_path(), "heldout")
+        answers_held = load_split(settings.answers_path(), "heldout")
         answer_counts["training_positions"] = int(answer_hidden.shape[0])
-        answer_counts["held_out_positions"] = int(answer_held_hidden.shape[0])
+        answer_counts["held_out_positions"] = int(answers_held[0].shape[0])
         del answer_hidden, answer_labels
-    head_labels = labels[: settings.num_heads]  # row k - 1: head k's target
-    train_labels = _sub_labels(head_labels, settings.head_tokens)
+    return States(hidden, labels, held, answers_held, code_positions)
+
+
+@dataclass
+class HeadsRun:
+    """The heads in training and what trains them: the LM head rows they score (``weight``), their training labels
+    (row k - 1: head k's, -100 where the scored subset cannot score it), ``coverage`` (the share of labels it can),
+    the optimizer and schedule, the checkpoint and the epoch to start from; once trained, the last losses per head
+    and the seconds trained."""
+
+    heads: MedusaHeads
+    weight: torch.Tensor
+    train_labels: torch.Tensor
+    coverage: float
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    steps_per_epoch: int
+    checkpoint: Path
+    first_epoch: int = 0
+    last_losses: list[float] = field(default_factory=list)
+    train_seconds: float = 0.0
+
+
+def prepare_heads(settings: TrainSettings, corpus: Corpus, states: States) -> HeadsRun:
+    """New heads, AdamW with a short warm-up then linear decay, resumed from the checkpoint of these settings."""
+    head_labels = states.labels[: settings.num_heads]  # row k - 1: head k's target
     valid = head_labels >= 0
     coverage = float((head_labels[valid] < settings.head_tokens).float().mean()) if settings.head_tokens else 1.0
-
     config = MedusaConfig(
-        num_heads=settings.num_heads, num_layers=1, hidden_size=hidden_size, vocab_size=vocab_size,
+        num_heads=settings.num_heads, num_layers=1, hidden_size=corpus.hidden_size, vocab_size=corpus.vocab_size,
         head_tokens=settings.head_tokens, base_model=settings.target,
     )
     heads = MedusaHeads(config)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=settings.learning_rate, weight_decay=0.0)
-    steps_per_epoch = math.ceil(hidden.shape[0] / settings.batch_size)
+    steps_per_epoch = math.ceil(states.hidden.shape[0] / settings.batch_size)
     total_steps = steps_per_epoch * settings.epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / 50) * max(0.0, 1.0 - step / total_steps)
     )
-    checkpoint = folder / f"checkpoint-{settings.num_heads}h-{settings.head_tokens}.pt"
-    first_epoch = 0
-    if checkpoint.is_file():
-        saved = torch.load(checkpoint, weights_only=True)
-        if saved.get("settings") == _train_key(settings):
-            heads.load_state_dict(saved["heads"])
-            optimizer.load_state_dict(saved["optimizer"])
-            scheduler.load_state_dict(saved["scheduler"])
-            first_epoch = int(saved["epoch"])
-            logger.info("resuming after epoch %d from %s", first_epoch, checkpoint)
+    checkpoint = settings.cache_path() / f"checkpoint-{settings.num_heads}h-{settings.head_tokens}.pt"
+    run = HeadsRun(heads, corpus.weight, _sub_labels(head_labels, settings.head_tokens), coverage, optimizer,
+                   scheduler, steps_per_epoch, checkpoint)
+    saved = read_checkpoint(run.checkpoint, "settings", _train_key(settings))
+    if saved is not None:
+        heads.load_state_dict(saved["heads"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        run.first_epoch = int(saved["epoch"])
+        logger.info("resuming after epoch %d from %s", run.first_epoch, run.checkpoint)
+    return run
+
+
+def train_epochs(settings: TrainSettings, run: HeadsRun, states: States) -> None:
+    """Train the epochs left over shuffled batches (the shuffles of an uninterrupted run), a checkpoint after
+    each."""
     train_started = time.perf_counter()
+    hidden, heads = states.hidden, run.heads
     generator = torch.Generator().manual_seed(settings.seed)
-    for _ in range(first_epoch):  # the same shuffles as an uninterrupted run
+    for _ in range(run.first_epoch):  # the same shuffles as an uninterrupted run
         torch.randperm(hidden.shape[0], generator=generator)
-    last_losses: list[float] = []
-    for epoch in range(first_epoch, settings.epochs):
+    for epoch in range(run.first_epoch, settings.epochs):
         order = torch.randperm(hidden.shape[0], generator=generator)
         heads.train()
-        with tqdm(range(steps_per_epoch), desc=f"training heads, epoch {epoch + 1}/{settings.epochs}",
+        with tqdm(range(run.steps_per_epoch), desc=f"training heads, epoch {epoch + 1}/{settings.epochs}",
                   unit="step") as bar:
             for step in bar:
                 index = order[step * settings.batch_size : (step + 1) * settings.batch_size]
-                loss, per_head = head_loss(heads, hidden[index].float(), train_labels[:, index], weight,
+                loss, per_head = head_loss(heads, hidden[index].float(), run.train_labels[:, index], run.weight,
                                            settings.loss_decay)
                 if not loss.requires_grad:  # no position of this batch has a target the head can score
                     continue
-                optimizer.zero_grad(set_to_none=True)
+                run.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                optimizer.step()
-                scheduler.step()
-                last_losses = per_head
+                run.optimizer.step()
+                run.scheduler.step()
+                run.last_losses = per_head
                 if step % 20 == 0:
                     bar.set_postfix(loss=" ".join(f"{v:.2f}" for v in per_head))
-        torch.save({"settings": _train_key(settings), "epoch": epoch + 1, "heads": heads.state_dict(),
-                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, checkpoint)
-    train_seconds = time.perf_counter() - train_started
-    heads.eval()
-    accuracy = evaluate(heads, held_hidden, held_labels, weight)
-    if settings.answers:
-        answer_counts["held_out_top1_per_head"] = evaluate(heads, answer_held_hidden, answer_held_labels, weight)
+        save_checkpoint(run.checkpoint, {"settings": _train_key(settings), "epoch": epoch + 1,
+                                         "heads": heads.state_dict(), "optimizer": run.optimizer.state_dict(),
+                                         "scheduler": run.scheduler.state_dict()})
+    run.train_seconds = time.perf_counter() - train_started
+
+
+def ship(settings: TrainSettings, corpus: Corpus, states: States, run: HeadsRun, started: float) -> dict:
+    """Each head's held-out top-1, the heads written (bfloat16) with their provenance and ``training.json``; the
+    report."""
+    run.heads.eval()
+    accuracy = evaluate(run.heads, *states.held, run.weight)
+    if states.answers_held is not None:
+        corpus.answer_counts["held_out_top1_per_head"] = evaluate(run.heads, *states.answers_held, run.weight)
     report = {
-        "command": "python -m specdemo.training.medusa " + " ".join(sys.argv[1:]),
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items() if k != "extra"},
+        **run_record("specdemo.training.medusa", settings),
         "corpus": {
             "source": settings.corpus_spec().description(),
-            "training_sequences": len(train_seqs),
-            "training_positions": code_positions,
-            "held_out_sequences": len(held_seqs),
-            "held_out_positions": int(held_hidden.shape[0]),
-            "greedy_tokens_inside_head_subset": round(coverage, 4),
+            "training_sequences": len(corpus.train_seqs),
+            "training_positions": states.code_positions,
+            "held_out_sequences": len(corpus.held_seqs),
+            "held_out_positions": int(states.held[0].shape[0]),
+            "greedy_tokens_inside_head_subset": round(run.coverage, 4),
         },
-        "answers": answer_counts or None,
-        "seconds": {"cache": round(cache_seconds, 1), "answers": round(answer_seconds, 1),
-                    "train": round(train_seconds, 1),
+        "answers": corpus.answer_counts or None,
+        "seconds": {"cache": round(corpus.cache_seconds, 1), "answers": round(corpus.answer_seconds, 1),
+                    "train": round(run.train_seconds, 1),
                     "total": round(time.perf_counter() - started, 1)},
-        "last_train_loss_per_head": [round(v, 4) for v in last_losses],
+        "last_train_loss_per_head": [round(v, 4) for v in run.last_losses],
         "held_out_top1_per_head": accuracy,  # on the held-out standard-library files (answers: under "answers")
         "torch_threads": torch.get_num_threads(),
     }
     report.update(settings.extra)
-    digest = heads.save(settings.out, torch.bfloat16, extra={"training": report})
+    digest = run.heads.save(settings.out, torch.bfloat16, extra={"training": report})
     report["weights_sha256"] = digest
-    (settings.out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_training_json(settings.out, report)
     return report
+
+
+def train(settings: TrainSettings) -> dict:
+    """The whole run: corpus, cache, training, held-out accuracy, heads written to ``settings.out``."""
+    started = time.perf_counter()
+    torch.manual_seed(settings.seed)
+    corpus = cache_corpus(settings)
+    states = load_states(settings, corpus.answer_counts)
+    run = prepare_heads(settings, corpus, states)
+    train_epochs(settings, run, states)
+    return ship(settings, corpus, states, run, started)
 
 
 def _train_key(settings: TrainSettings) -> list:
