@@ -45,8 +45,8 @@ from .session.request import (
     DTYPES,
     MAX_NEW_TOKENS,
     QUANTIZATIONS,
+    parse_draft_length,
     parse_max_new_tokens,
-    parse_num_draft_tokens,
 )
 from .session.stock import STOCK_MODES
 
@@ -75,12 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=int, help="keep the first N prompts (after --categories and --per-category)")
     parser.add_argument("--max-new-tokens", default="128", help=f"new tokens per run (1 to {MAX_NEW_TOKENS})")
     parser.add_argument(
-        "--num-draft-tokens", default="adaptive",
-        help=f"k (1 to {MAX_NUM_DRAFT_TOKENS}), 'adaptive' (cost-aware) or 'heuristic' (+2/-1)",
+        "--num-draft-tokens-schedule", metavar="{fixed,adaptive,heuristic}",
+        help="how many tokens each round drafts: fixed (--num-draft-tokens every round), adaptive (cost-aware, up "
+        "to --max-num-draft-tokens; the default) or heuristic (+2/-1, up to the same)",
+    )
+    parser.add_argument(
+        "--num-draft-tokens", metavar="K",
+        help=f"fixed: the tokens drafted every round (1 to {MAX_NUM_DRAFT_TOKENS}); adaptive, heuristic: the first "
+        "round's (default: the schedule's own). Given without --num-draft-tokens-schedule, the schedule is fixed",
     )
     parser.add_argument(
         "--max-num-draft-tokens", type=int, default=12,
-        help=f"the most an adaptive policy drafts in one round (at most {MAX_NUM_DRAFT_TOKENS})",
+        help=f"the most an adaptive or heuristic schedule drafts in one round (at most {MAX_NUM_DRAFT_TOKENS})",
     )
     parser.add_argument("--draft-head-tokens", type=int, default=None, help="restrict the draft LM head to N frequent ids (0 = full; default auto)")
     parser.add_argument("--draft-int8", choices=["auto", "on", "off"], default="auto", help="draft with an int8 copy of the draft model (auto: on for a CPU draft; for uag, only beside an int8 target)")
@@ -155,6 +161,15 @@ def _parsed(option: str, parse: Callable[[Any], Any], value: Any) -> Any:
         raise InputError(f"{option}: {error}") from None
 
 
+def _draft_length(args: argparse.Namespace) -> tuple[str, int | None]:
+    """(schedule, num_draft_tokens) of the command line, its InputError naming the option at fault."""
+    try:
+        return parse_draft_length(args.num_draft_tokens_schedule, args.num_draft_tokens)
+    except InputError as error:
+        option = "--" + (error.field or "num_draft_tokens").replace("_", "-")
+        raise InputError(f"{option}: {error}") from None
+
+
 @dataclass
 class _Request:
     """What the command line asks, parsed and checked, its prompts loaded."""
@@ -190,10 +205,14 @@ def _sources(args: argparse.Namespace) -> tuple[str, str | None, str | None]:
     return target, draft, eagle_head
 
 
-def _spec_settings(args: argparse.Namespace, num_draft_tokens: str | int, eagle_head: str | None) -> SpecSettings:
+def _spec_settings(
+    args: argparse.Namespace, draft_length: tuple[str, int | None], eagle_head: str | None
+) -> SpecSettings:
     """The drafting settings every speculative mode shares (each run sets its own mode), validated."""
+    schedule, num_draft_tokens = draft_length
     spec = SpecSettings(
         mode="draft",
+        num_draft_tokens_schedule=schedule,
         num_draft_tokens=num_draft_tokens,
         max_num_draft_tokens=args.max_num_draft_tokens,
         draft_head_tokens=args.draft_head_tokens,
@@ -213,14 +232,14 @@ def _read_request(args: argparse.Namespace) -> _Request:
     """The arguments through the session's parsers (the values and limits of the app and the recorder)."""
     modes = _parse_modes(args.modes)
     max_new_tokens = _parsed("--max-new-tokens", parse_max_new_tokens, args.max_new_tokens)
-    num_draft_tokens = _parsed("--num-draft-tokens", parse_num_draft_tokens, args.num_draft_tokens)
+    draft_length = _draft_length(args)
     if args.warmup < 0 or args.repeats < 1:
         raise InputError("--warmup must be >= 0 and --repeats >= 1")
     target, draft, eagle_head = _sources(args)
     needs_draft = any(needs_draft_model(m) and not (drafts_with_other_tokenizer(m) and args.uag_draft) for m in modes)
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     prompts = load_prompts(args.prompts, categories=categories, limit=args.limit, per_category=args.per_category)
-    spec = _spec_settings(args, num_draft_tokens, eagle_head)
+    spec = _spec_settings(args, draft_length, eagle_head)
     SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed).validate()
     return _Request(modes, max_new_tokens, target, draft, needs_draft, categories, prompts, spec)
 
@@ -258,6 +277,7 @@ def _bench_config(args: argparse.Namespace, request: _Request, target: LoadedMod
         modes=request.modes,
         prompts=str(args.prompts or "bundled"),
         max_new_tokens=request.max_new_tokens,
+        num_draft_tokens_schedule=spec.num_draft_tokens_schedule,
         num_draft_tokens=spec.num_draft_tokens,
         max_num_draft_tokens=spec.max_num_draft_tokens,
         temperature=args.temperature,
@@ -274,7 +294,8 @@ def _bench_config(args: argparse.Namespace, request: _Request, target: LoadedMod
         per_category=args.per_category,
         categories=request.categories,
         draft_settings={
-            k: v for k, v in asdict(spec).items() if k not in ("mode", "num_draft_tokens", "max_num_draft_tokens")
+            k: v for k, v in asdict(spec).items()
+            if k not in ("mode", "num_draft_tokens_schedule", "num_draft_tokens", "max_num_draft_tokens")
         },
     )
 

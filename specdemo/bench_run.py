@@ -54,7 +54,8 @@ class BenchConfig:
     modes: list[str]
     prompts: str
     max_new_tokens: int
-    num_draft_tokens: str | int
+    num_draft_tokens_schedule: str
+    num_draft_tokens: int | None
     max_num_draft_tokens: int
     temperature: float
     top_p: float

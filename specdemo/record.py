@@ -68,8 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     race.add_argument("--medusa-heads", help="Medusa heads folder (default: the offline target's shipped heads)")
     race.add_argument("--eagle-head", help="EAGLE-3 head, a folder or Hub id (default: the target's shipped head, or "
                       "the pair preset's)")
-    race.add_argument("--num-draft-tokens", dest="num_draft_tokens", default="adaptive", metavar="K",
-                      help="k, 'adaptive' (cost-aware) or 'heuristic' (+2/-1)")
+    race.add_argument("--num-draft-tokens-schedule", metavar="{fixed,adaptive,heuristic}",
+                      help="how many tokens each round drafts: fixed (--num-draft-tokens every round), adaptive "
+                      "(cost-aware; the default) or heuristic (+2/-1)")
+    race.add_argument("--num-draft-tokens", metavar="K",
+                      help="fixed: the tokens drafted every round; adaptive, heuristic: the first round's. Given "
+                      "without --num-draft-tokens-schedule, the schedule is fixed")
     race.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     race.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     race.add_argument("--top-p", type=float, default=1.0)
@@ -142,6 +146,7 @@ def race_log(args: argparse.Namespace, show_progress: bool) -> RaceLog:
         args.target or "",
         args.draft or "",
         args.mode,
+        args.num_draft_tokens_schedule,
         args.num_draft_tokens,
         args.max_new_tokens,
         args.temperature,

@@ -270,7 +270,7 @@ def decode_speedups_on_curve(
     runs: dict[str, dict[str, list[ReplayRun]]] = defaultdict(lambda: defaultdict(list))
     for item in items:
         policies: dict[str, DraftLengthPolicy] = {
-            "adaptive": make_policy("adaptive", max_num_draft_tokens, free_drafts=True, prior=cost_curve)
+            "adaptive": make_policy("adaptive", None, max_num_draft_tokens, free_drafts=True, prior=cost_curve)
         }
         policies.update({str(k): FixedDraftLength(k) for k in CURVE_DRAFT_LENGTHS if k <= max_num_draft_tokens})
         for name, policy in policies.items():

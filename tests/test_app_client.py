@@ -41,15 +41,20 @@ def test_race_endpoint_returns_texts_kinds_and_metrics(client) -> None:
     assert len(result["spec"]["kinds"]) == 24 and "accepted" in result["spec"]["kinds"]
     assert result["spec"]["speedup"] > 0 and result["spec"]["acceptance_rate"] is not None
     assert result["target"] == "tiny:target" and result["draft"] == "tiny:draft"
+    assert (result["num_draft_tokens_schedule"], result["num_draft_tokens"]) == ("fixed", 3)
     ngram = client.predict(prompt="one two three one two three", pair="tiny", mode="ngram", api_name="/race")
     assert ngram["draft"] is None and ngram["spec"]["identical"] is True
+    assert (ngram["num_draft_tokens_schedule"], ngram["num_draft_tokens"]) == ("adaptive", None)
+    heuristic = client.predict(prompt=PROMPT, pair="tiny", num_draft_tokens_schedule="heuristic", num_draft_tokens=2,
+                               max_new_tokens=12, api_name="/race")
+    assert (heuristic["num_draft_tokens_schedule"], heuristic["num_draft_tokens"]) == ("heuristic", 2)
 
 
 def test_race_endpoint_is_documented(client) -> None:
     info = client.view_api(print_info=False, return_format="dict")
     assert "/race" in info["named_endpoints"]
     names = [p["parameter_name"] for p in info["named_endpoints"]["/race"]["parameters"]]
-    assert names[:4] == ["prompt", "pair", "mode", "num_draft_tokens"]
+    assert names[:5] == ["prompt", "pair", "mode", "num_draft_tokens_schedule", "num_draft_tokens"]
 
 
 def test_bad_input_is_a_plain_error_and_the_app_keeps_working(client) -> None:
@@ -58,6 +63,7 @@ def test_bad_input_is_a_plain_error_and_the_app_keeps_working(client) -> None:
         ({"prompt": PROMPT, "max_new_tokens": 10**7}, "max new tokens"),
         ({"prompt": PROMPT, "target": "no-such/model"}, "no such model"),
         ({"prompt": PROMPT, "pair": "tiny-mismatch"}, "different tokenizer"),
+        ({"prompt": PROMPT, "num_draft_tokens_schedule": "often"}, "num_draft_tokens_schedule must be one of"),
     ]:
         with pytest.raises(Exception, match=message):
             client.predict(api_name="/race", **kwargs)

@@ -66,7 +66,8 @@ def test_bench_json_and_identity(pair, prompt_file, tmp_path, capsys):
         assert row["identical"] is True, row  # float32 greedy: every mode writes what plain writes
         assert row["divergence"] is None and row["new_tokens"] == len(row["new_token_ids"])
     assert report["config"]["num_draft_tokens"] == 3 and report["config"]["max_num_draft_tokens"] == 12
-    assert "num_draft_tokens" not in report["config"]["draft_settings"]
+    assert report["config"]["num_draft_tokens_schedule"] == "fixed"  # --num-draft-tokens alone: k every round
+    assert not {"num_draft_tokens", "num_draft_tokens_schedule"} & set(report["config"]["draft_settings"])
     assert report["summary"]["draft"]["identical"] == 3  # prompts whose output is plain's
     assert {r["id"] for r in results} == {"1", "s1", "s2"}
     for mode in ("plain", "draft", "ngram"):
@@ -158,8 +159,13 @@ def test_speedup_by_repeat_pairs_each_repeat_with_plains():
         (["--modes", "plain,warp"], "unknown mode"),
         (["--max-new-tokens", "0"], "max-new-tokens"),
         (["--target", "offline:nope"], "offline"),
-        (["--num-draft-tokens", "often"], "--num-draft-tokens: draft tokens must be"),
-        (["--num-draft-tokens", "65"], "between 1 and 64"),
+        (["--num-draft-tokens", "often"], "--num-draft-tokens: num_draft_tokens must be a whole number"),
+        (["--num-draft-tokens", "65"], "from 1 to 64"),
+        (["--num-draft-tokens", "adaptive"], "'adaptive' is a schedule: give it as num_draft_tokens_schedule"),
+        (["--num-draft-tokens-schedule", "often"], "--num-draft-tokens-schedule: num_draft_tokens_schedule must be one "
+         "of fixed, adaptive, heuristic, got 'often'"),
+        (["--num-draft-tokens-schedule", "fixed"], "--num-draft-tokens: num_draft_tokens_schedule 'fixed' needs"),
+        (["--num-draft-tokens-schedule", "adaptive", "--num-draft-tokens", "13"], "at most max_num_draft_tokens (12)"),
         (["--max-new-tokens", "lots"], "--max-new-tokens: max new tokens must be a number"),
     ],
 )
@@ -171,6 +177,23 @@ def test_bench_bad_input_is_one_clear_line(pair, prompt_file, tmp_path, capsys, 
     assert code == 2
     assert message in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, schedule, num_draft_tokens",
+    [
+        ([], "adaptive", None),  # the default: adaptive from its own start
+        (["--num-draft-tokens", "5"], "fixed", 5),  # a number alone: that many every round
+        (["--num-draft-tokens-schedule", "heuristic"], "heuristic", None),  # a schedule alone: from its own start
+        (["--num-draft-tokens-schedule", "Adaptive", "--num-draft-tokens", "3"], "adaptive", 3),  # the first round's
+        (["--num-draft-tokens-schedule", "fixed", "--num-draft-tokens", "20"], "fixed", 20),  # fixed: not capped
+    ],
+)
+def test_bench_draft_length_flags(prompt_file, args, schedule, num_draft_tokens):
+    parsed = bench.build_parser().parse_args(["--target", "t", "--prompts", str(prompt_file), *args])
+    spec = bench._read_request(parsed).spec
+    assert (spec.num_draft_tokens_schedule, spec.num_draft_tokens, spec.max_num_draft_tokens) == (
+        schedule, num_draft_tokens, 12)
 
 
 def test_bench_empty_prompt_file(pair, tmp_path, capsys):

@@ -35,7 +35,7 @@ PROMPT = "hello world the cat sat on the mat"
 
 @pytest.fixture(scope="module")
 def url():
-    demo = ui.build_app(tiny_app.config(max_new_tokens=48, update_interval=0.1, num_draft_tokens="4"))
+    demo = ui.build_app(tiny_app.config(max_new_tokens=48, update_interval=0.1, draft_tokens="4"))
     port = tiny_app.free_port()
     try:
         ui.launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)

@@ -146,7 +146,7 @@ def simulate(policy, cost_curve: CostCurve, alpha: float, tokens: int = 3000, se
 
     written, elapsed, behind = 0, 0.0, 0
     while written < tokens:
-        k = policy.next_length()
+        k = policy.next_num_draft_tokens()
         catch_up = noisy(draft_step * cost_curve.cost(behind)) if k and behind > 2 else 0.0
         draft_seconds = noisy(k * draft_step) if k else 0.0
         verify_seconds = noisy(base * cost_curve.cost(k + 1))
@@ -161,7 +161,7 @@ def simulate(policy, cost_curve: CostCurve, alpha: float, tokens: int = 3000, se
 
 
 class PlainOnly:
-    def next_length(self) -> int:
+    def next_num_draft_tokens(self) -> int:
         return 0
 
     def update(self, *timings: float) -> None:
@@ -227,13 +227,13 @@ def test_the_policy_knows_where_drafting_can_pay_and_shrugs_off_slow_outliers() 
     for cheap in (NATIVE_BF16, AVX2_INT8):
         assert CostAwareDraftLength(prior=cheap, draft_seconds_per_token=0.03).drafting_could_pay()
     # where it cannot pay, the first look at acceptance is a single draft token
-    assert CostAwareDraftLength(prior=AVX2_BF16, draft_seconds_per_token=0.03).next_length() == 1
-    assert CostAwareDraftLength(prior=NATIVE_BF16, draft_seconds_per_token=0.03).next_length() == 4
+    assert CostAwareDraftLength(prior=AVX2_BF16, draft_seconds_per_token=0.03).next_num_draft_tokens() == 1
+    assert CostAwareDraftLength(prior=NATIVE_BF16, draft_seconds_per_token=0.03).next_num_draft_tokens() == 4
     # three slow plain steps in a row (another process) do not make drafting look worth it on a dear curve
     policy = CostAwareDraftLength(prior=AVX2_BF16, draft_seconds_per_token=0.03)
-    policy.update(policy.next_length(), 0, 0.03, 0.31)
+    policy.update(policy.next_num_draft_tokens(), 0, 0.03, 0.31)
     for seconds in (0.18, 0.17, 0.55, 0.6, 0.58, 0.18):
-        assert policy.next_length() == 0
+        assert policy.next_num_draft_tokens() == 0
         policy.update(0, 0, 0.0, seconds)
     assert policy._verify_cost(1) < 0.2
 
@@ -249,7 +249,7 @@ def test_calibrated_costs_count_at_the_speed_the_machine_runs_now() -> None:
     slower = 1.3
     policy = CostAwareDraftLength(prior=calibrated, draft_seconds_per_token=0.030)
     assert policy._verify_cost(2) == pytest.approx(0.085 * 1.08)
-    policy.update(policy.next_length(), 0, 4 * 0.030 * slower, 0.085 * calibrated.cost(5) * slower)
+    policy.update(policy.next_num_draft_tokens(), 0, 4 * 0.030 * slower, 0.085 * calibrated.cost(5) * slower)
     for seconds in (0.085 * slower, 0.085 * slower, 3 * 0.085 * slower, 0.085 * slower):
         policy.update(0, 0, 0.0, seconds)
     assert policy._verify_cost(1) == pytest.approx(0.085 * slower)

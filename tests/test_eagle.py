@@ -132,7 +132,8 @@ def policy_and_drafter(model, head, tree: bool, budget, lookup: bool = False):
     if budget == "adaptive" and tree:
         policy = TreeBudget(max_num_draft_tokens=8)
         return policy, drafter(model, head, tree, verify_cost=policy.verify_cost, lookup=branch)
-    return make_policy(budget, 8, free_drafts=True), drafter(model, head, tree, lookup=branch)
+    schedule, k = ("adaptive", None) if budget == "adaptive" else ("fixed", budget)
+    return make_policy(schedule, k, 8, free_drafts=True), drafter(model, head, tree, lookup=branch)
 
 
 def loaded(model, source: str = "tiny-llama") -> LoadedModel:
@@ -564,11 +565,11 @@ def test_the_modes_run_through_the_registry_and_the_session(trained, tmp_path, m
     method = METHODS[mode]
     assert method.needs_hidden_states and method.drafts_for_free and method.proposes_trees == (mode == "eagle")
     settings = GenerationSettings(max_new_tokens=20)
-    for num_draft_tokens in (4, "adaptive"):
-        spec = SpecSettings(mode=mode, num_draft_tokens=num_draft_tokens, max_num_draft_tokens=8,
-                            eagle_head=str(folder))
+    for schedule, num_draft_tokens in (("fixed", 4), ("adaptive", None)):
+        spec = SpecSettings(mode=mode, num_draft_tokens_schedule=schedule, num_draft_tokens=num_draft_tokens,
+                            max_num_draft_tokens=8, eagle_head=str(folder))
         policy = make_spec_policy(spec, target, settings)
-        assert isinstance(policy, TreeBudget) == (mode == "eagle" and num_draft_tokens == "adaptive")
+        assert isinstance(policy, TreeBudget) == (mode == "eagle" and schedule == "adaptive")
         built = make_drafter(spec, target, None, settings, policy)
         assert isinstance(built, EagleDrafter) and built.tree == (mode == "eagle")
         plain = collect(plain_events(target, PROMPTS[0], settings))
@@ -576,7 +577,7 @@ def test_the_modes_run_through_the_registry_and_the_session(trained, tmp_path, m
         assert events[-1].new_token_ids == plain.new_token_ids
         assert events[-1].counters.accepted > 0 and any(e.tokens and e.tokens[0].kind == ACCEPTED for e in events)
     sampled = GenerationSettings(max_new_tokens=12, sampling=SamplingSettings(temperature=1.0, seed=3))
-    spec = SpecSettings(mode=mode, num_draft_tokens=3, eagle_head=str(folder))
+    spec = SpecSettings(mode=mode, num_draft_tokens_schedule="fixed", num_draft_tokens=3, eagle_head=str(folder))
     assert not make_drafter(spec, target, None, sampled).tree  # sampling drafts a chain
     assert len(collect(spec_events(target, None, PROMPTS[0], sampled, spec)).new_token_ids) == 12
 

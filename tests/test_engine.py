@@ -58,19 +58,20 @@ def _drafters(name: str, target):
     }
 
 
-CASES = [("llama", 1), ("llama", 4), ("llama", "heuristic"), ("qwen2", 2), ("qwen2", "adaptive"), ("gpt2", 3), ("gpt2", 7)]
+CASES = [("llama", "fixed", 1), ("llama", "fixed", 4), ("llama", "heuristic", None), ("qwen2", "fixed", 2),
+         ("qwen2", "adaptive", None), ("gpt2", "fixed", 3), ("gpt2", "fixed", 7)]
 
 
-@pytest.mark.parametrize("name,k", CASES)
-def test_greedy_equals_generate(name: str, k):
+@pytest.mark.parametrize("name,schedule,k", CASES)
+def test_greedy_equals_generate(name: str, schedule: str, k):
     target = TARGETS[name]
     settings = GenerationSettings(max_new_tokens=24)
     for prompt in PROMPTS:
         expected = reference_greedy(target, prompt, 24)
         assert collect(plain_decode(CachedLM(target), prompt, settings)).new_token_ids == expected
         for label, drafter in _drafters(name, target).items():
-            final = collect(speculative_decode(CachedLM(target), drafter, make_policy(k), prompt, settings))
-            assert final.new_token_ids == expected, (name, k, label, prompt)
+            final = collect(speculative_decode(CachedLM(target), drafter, make_policy(schedule, k), prompt, settings))
+            assert final.new_token_ids == expected, (name, schedule, k, label, prompt)
             assert final.finish_reason == "length"
 
 
@@ -177,15 +178,17 @@ def test_bad_settings_are_refused():
         collect(plain_decode(CachedLM(target), [1, 2], GenerationSettings(max_new_tokens=0)))
     with pytest.raises(ValueError, match="empty"):
         collect(plain_decode(CachedLM(target), [], GenerationSettings()))
-    with pytest.raises(ValueError):
-        make_policy(0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_draft_tokens must be"):
+        make_policy("fixed", 0)
+    with pytest.raises(ValueError, match="num_draft_tokens_schedule must be one of fixed, adaptive, heuristic"):
         make_policy("sometimes")
+    with pytest.raises(ValueError, match="'fixed' needs num_draft_tokens"):
+        make_policy("fixed")
     with pytest.raises(ValueError, match="top_p"):
         SamplingSettings(temperature=1.0, top_p=0.0).validate()
-    assert make_policy(MAX_NUM_DRAFT_TOKENS).next_length() == MAX_NUM_DRAFT_TOKENS
+    assert make_policy("fixed", MAX_NUM_DRAFT_TOKENS).next_num_draft_tokens() == MAX_NUM_DRAFT_TOKENS
     with pytest.raises(ValueError, match=str(MAX_NUM_DRAFT_TOKENS)):
-        make_policy(MAX_NUM_DRAFT_TOKENS + 1)
+        make_policy("fixed", MAX_NUM_DRAFT_TOKENS + 1)
     # the longest draft comes from verification: with the last token it fits the int8 row-wise attention
     assert ROW_WISE_MAX_QUERIES == MAX_NUM_DRAFT_TOKENS + 1
 
@@ -206,6 +209,8 @@ class _NeedsHidden(NgramDrafter):
     """An n-gram drafter that says it reads the target's hidden states (and checks that it gets them)."""
 
     needs_hidden_states = True
+
+    hidden_layers: tuple[int, ...] | None = None
 
     def start(self, prompt_ids, prefill=None) -> None:
         assert prefill is not None and prefill.hidden_states is not None
@@ -263,34 +268,44 @@ def test_the_event_and_settings_layers_import_no_torch():
 def test_policies():
     heuristic = HeuristicDraftLength(num_draft_tokens=5)
     heuristic.update(5, 5, 0.1, 0.1)
-    assert heuristic.next_length() == 7
+    assert heuristic.next_num_draft_tokens() == 7
     heuristic.update(7, 2, 0.1, 0.1)
-    assert heuristic.next_length() == 6
+    assert heuristic.next_num_draft_tokens() == 6
     costly = CostAwareDraftLength()
-    assert costly.next_length() == 4
+    assert costly.next_num_draft_tokens() == 4
     costly.update(4, 0, 0.4, 0.1)  # slow drafts, all rejected
-    assert costly.next_length() == 0  # measures a plain step
+    assert costly.next_num_draft_tokens() == 0  # measures a plain step
     costly.update(0, 0, 0.0, 0.1)
     for _ in range(5):
-        k = costly.next_length()
+        k = costly.next_num_draft_tokens()
         costly.update(k, 0, 0.1 * k, 0.1)
-    assert costly.next_length() == 0  # drafting does not pay: plain steps
+    assert costly.next_num_draft_tokens() == 0  # drafting does not pay: plain steps
     cheap = CostAwareDraftLength()
     for _ in range(20):
-        k = cheap.next_length()
+        k = cheap.next_num_draft_tokens()
         cheap.update(k, k, 0.001 * k, 0.1 + 0.001 * k)  # cheap drafts, all accepted
-    assert cheap.next_length() >= 8
+    assert cheap.next_num_draft_tokens() >= 8
+
+
+def test_each_schedule_starts_at_the_first_rounds_draft_or_its_own():
+    assert make_policy("adaptive").next_num_draft_tokens() == 4
+    assert make_policy("adaptive", None, 9, free_drafts=True).next_num_draft_tokens() == 9  # free drafts: the cap
+    assert make_policy("adaptive", 6, 12, free_drafts=True).next_num_draft_tokens() == 6
+    assert make_policy("heuristic").next_num_draft_tokens() == 5
+    heuristic = make_policy("heuristic", 2, 6)
+    assert heuristic.next_num_draft_tokens() == 2 and heuristic.max_num_draft_tokens == 6
+    assert make_policy("fixed", 3).next_num_draft_tokens() == 3
 
 
 def test_adaptive_policy_goes_long_for_free_all_or_nothing_drafts():
     """N-gram-like drafts: free to make, accepted whole or rejected at the first token; verify cost flat in k."""
-    policy = make_policy("adaptive", 12, free_drafts=True)
-    assert policy.next_length() == 12
+    policy = make_policy("adaptive", None, 12, free_drafts=True)
+    assert policy.next_num_draft_tokens() == 12
     for round_index in range(30):
-        k = policy.next_length()
+        k = policy.next_num_draft_tokens()
         accepted = k if round_index % 2 else 0
         policy.update(k, accepted, 1e-6 * k, 0.1)
-    assert policy.next_length() >= 10
+    assert policy.next_num_draft_tokens() >= 10
     acceptance = policy.acceptance_at()
     assert acceptance[0] < 0.7 and min(acceptance[1:6]) > 0.8  # the first position decides, the rest follow
 
@@ -309,7 +324,7 @@ def test_adaptive_policy_backs_off_probes_that_keep_failing():
     policy = paused_policy()
     probes = []
     for round_index in range(200):
-        k = policy.next_length()
+        k = policy.next_num_draft_tokens()
         if k:
             probes.append(round_index)
         policy.update(k, 0, 0.05 * k, 0.1)  # drafts that would pay if accepted (free verification), never are
@@ -317,7 +332,7 @@ def test_adaptive_policy_backs_off_probes_that_keep_failing():
     assert gaps[:4] == [17, 33, 65, 65]  # 8, 16, 32, then at most 64 plain steps between probes (+1: the probe)
     for _ in range(6):  # drafts accepted whole: drafting pays again, and probing comes back to its normal pace
         policy.update(4, 4, 0.2, 0.1)
-    assert policy.next_length() > 0 and policy._probe_interval == policy.probe_every
+    assert policy.next_num_draft_tokens() > 0 and policy._probe_interval == policy.probe_every
 
 
 def test_no_probe_near_the_end_of_a_run():
@@ -326,9 +341,9 @@ def test_no_probe_near_the_end_of_a_run():
     cost 220 ms)."""
     policy = paused_policy()
     for _ in range(20):  # a probe is due after 8 plain steps, but never more than 8 tokens are left
-        assert policy.next_length(remaining=policy.probe_every) == 0
+        assert policy.next_num_draft_tokens(remaining=policy.probe_every) == 0
         policy.update(0, 0, 0.0, 0.1)
-    assert policy.next_length(remaining=policy.probe_every + 1) == 1
+    assert policy.next_num_draft_tokens(remaining=policy.probe_every + 1) == 1
 
 
 def test_a_draft_that_comes_back_empty_counts_as_rejected():
@@ -339,7 +354,7 @@ def test_a_draft_that_comes_back_empty_counts_as_rejected():
         policy = paused_policy()
         lengths = []
         for _ in range(40):
-            k = policy.next_length()
+            k = policy.next_num_draft_tokens()
             lengths.append(k)
             policy.update(0, 0, work if k else 0.0, 0.1, catch_up_seconds=work / 2 if k else 0.0)
         probes = [index for index, k in enumerate(lengths) if k]
@@ -350,13 +365,13 @@ def test_a_draft_that_comes_back_empty_counts_as_rejected():
             assert probes == list(range(probes[0], 40)), lengths
     drafting = CostAwareDraftLength()
     for _ in range(10):
-        k = drafting.next_length()
+        k = drafting.next_num_draft_tokens()
         drafting.update(k, k, 0.001 * k, 0.1 + 0.001 * k)  # cheap drafts, all accepted
-    assert drafting.next_length() > 0
+    assert drafting.next_num_draft_tokens() > 0
     for _ in range(30):  # then the drafter works and proposes nothing, round after round
-        k = drafting.next_length()
+        k = drafting.next_num_draft_tokens()
         drafting.update(0, 0, 0.02 if k else 0.0, 0.1)
-    assert drafting.next_length() == 0 and drafting.acceptance < 0.5
+    assert drafting.next_num_draft_tokens() == 0 and drafting.acceptance < 0.5
 
 
 def test_verify_cost_fit_shrugs_off_one_noisy_length():
@@ -387,5 +402,6 @@ def test_a_model_that_names_its_cache_past_key_values_gets_it_there():
     for prompt in PROMPTS:
         expected = reference_greedy(current, prompt, 12)
         assert collect(plain_decode(CachedLM(older), prompt, settings)).new_token_ids == expected
-        final = collect(speculative_decode(CachedLM(older), NgramDrafter(1, 3), make_policy(4), prompt, settings))
+        policy = make_policy("fixed", 4)
+        final = collect(speculative_decode(CachedLM(older), NgramDrafter(1, 3), policy, prompt, settings))
         assert final.new_token_ids == expected

@@ -255,10 +255,11 @@ def test_greedy_speculation_in_int8_equals_plain_int8_decoding(fmt):
                 "random-model": DraftModelDrafter(llama(99, layers=1), GREEDY, VOCAB),
                 "ngram": NgramDrafter(1, 3),
             }
-            for k in (1, 3, 6, "adaptive"):
+            for schedule, k in (("fixed", 1), ("fixed", 3), ("fixed", 6), ("adaptive", None)):
                 for label, drafter in drafters.items():
-                    final = collect(speculative_decode(CachedLM(target), drafter, make_policy(k), prompt, settings))
-                    assert final.new_token_ids == expected, (factory.__name__, k, label, prompt)
+                    policy = make_policy(schedule, k)
+                    final = collect(speculative_decode(CachedLM(target), drafter, policy, prompt, settings))
+                    assert final.new_token_ids == expected, (factory.__name__, schedule, k, label, prompt)
 
 
 @FORMATS

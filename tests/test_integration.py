@@ -38,8 +38,8 @@ def test_offline_pair_float32_identical(pair):
     settings = GenerationSettings(max_new_tokens=20)
     plain = collect(plain_events(target, ids, settings))
     assert plain.new_token_ids == reference_greedy(target.model, ids, 20, target.eos_token_ids)
-    specs = (SpecSettings("draft", 4), SpecSettings("draft", "adaptive"), SpecSettings("ngram", 5),
-             SpecSettings("medusa"), SpecSettings("medusa-chain"), SpecSettings("medusa", 8))
+    specs = (SpecSettings("draft", "fixed", 4), SpecSettings("draft", "adaptive"), SpecSettings("ngram", "fixed", 5),
+             SpecSettings("medusa"), SpecSettings("medusa-chain"), SpecSettings("medusa", "fixed", 8))
     for spec in specs:
         final = collect(spec_events(target, draft, ids, settings, spec))
         assert final.new_token_ids == plain.new_token_ids, spec
@@ -60,8 +60,8 @@ def test_offline_pair_int8_identical_in_every_mode():
     settings = GenerationSettings(max_new_tokens=24)
     plain = collect(plain_events(target, ids, settings))
     assert plain.new_token_ids == reference_greedy(target.model, ids, 24, target.eos_token_ids)
-    for spec in (SpecSettings("draft", 3), SpecSettings("draft", "adaptive"), SpecSettings("ngram", 5),
-                 SpecSettings("medusa"), SpecSettings("medusa-chain")):
+    for spec in (SpecSettings("draft", "fixed", 3), SpecSettings("draft", "adaptive"),
+                 SpecSettings("ngram", "fixed", 5), SpecSettings("medusa"), SpecSettings("medusa-chain")):
         assert collect(spec_events(target, draft, ids, settings, spec)).new_token_ids == plain.new_token_ids, spec
 
 
@@ -88,6 +88,6 @@ def test_offline_target_with_a_random_eagle_head_is_identical(pair, tmp_path):
     settings = GenerationSettings(max_new_tokens=16)
     plain = collect(plain_events(target, ids, settings))
     for spec in (SpecSettings("eagle", eagle_head=str(tmp_path / "head")),
-                 SpecSettings("eagle-chain", 4, eagle_head=str(tmp_path / "head"))):
+                 SpecSettings("eagle-chain", "fixed", 4, eagle_head=str(tmp_path / "head"))):
         final = collect(spec_events(target, None, ids, settings, spec))
         assert final.new_token_ids == plain.new_token_ids, spec

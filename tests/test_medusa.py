@@ -207,6 +207,7 @@ class OracleTree:
 
     name = "oracle-tree"
     needs_hidden_states = False
+    hidden_layers: tuple[int, ...] | None = None
 
     def __init__(self, prompt, output, complete=True):
         self.full = list(prompt) + list(output)
@@ -215,7 +216,7 @@ class OracleTree:
     def start(self, prompt_ids, prefill=None):
         pass
 
-    def propose(self, context, max_tokens):
+    def propose(self, context, num_draft_tokens):
         from specdemo.core.protocol import Proposal
 
         at = len(context)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -46,17 +47,35 @@ def test_unknown_modes_and_bad_options_are_refused_in_one_line():
     assert SpecSettings(mode="ngram", ngram_max=6).options() == methods.ngram.NgramOptions(ngram_max=6)
 
 
+def test_the_draft_length_is_a_schedule_and_a_number_of_tokens():
+    """The schedule names the policy; the number is every round's draft (fixed) or the first round's (the others),
+    at most the cap there; each refusal one line naming the setting."""
+    SpecSettings().validate()  # adaptive from its own start
+    SpecSettings(num_draft_tokens_schedule="fixed", num_draft_tokens=20).validate()  # a fixed k is not capped
+    SpecSettings(num_draft_tokens_schedule="heuristic", num_draft_tokens=3).validate()
+    for settings, message in [
+        (SpecSettings(num_draft_tokens_schedule="fixed"), "'fixed' needs num_draft_tokens"),
+        (SpecSettings(num_draft_tokens_schedule="often"), "num_draft_tokens_schedule must be one of fixed, adaptive"),
+        (SpecSettings(num_draft_tokens_schedule="fixed", num_draft_tokens=0), "num_draft_tokens must be a whole"),
+        (SpecSettings(num_draft_tokens=13), "must be at most max_num_draft_tokens (12) with the adaptive schedule"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)) as caught:
+            settings.validate()
+        assert "\n" not in str(caught.value)
+
+
 class _RepeatLast:
     """A toy drafter: proposes the context's last token again, as many times as asked."""
 
     name = "repeat"
     needs_hidden_states = False
+    hidden_layers: tuple[int, ...] | None = None
 
     def start(self, prompt_ids, prefill=None) -> None:
         pass
 
-    def propose(self, context, max_tokens: int) -> Proposal:
-        return Proposal([int(context[-1])] * max_tokens)
+    def propose(self, context, num_draft_tokens: int) -> Proposal:
+        return Proposal([int(context[-1])] * num_draft_tokens)
 
     def feedback(self, result) -> None:
         pass
@@ -75,7 +94,7 @@ def test_a_new_method_is_one_descriptor(monkeypatch):
                     options=_RepeatOptions, drafts_for_free=True)
     monkeypatch.setitem(METHODS, "repeat", repeat)
     target = LoadedModel("tiny", llama(3), None, torch.device("cpu"), torch.float32, LoadSettings(dtype="float32"))
-    spec = SpecSettings(mode="repeat", num_draft_tokens=3)
+    spec = SpecSettings(mode="repeat", num_draft_tokens_schedule="fixed", num_draft_tokens=3)
     spec.validate()
     settings = GenerationSettings(max_new_tokens=24)
     assert isinstance(make_drafter(spec, target, None, settings), _RepeatLast)

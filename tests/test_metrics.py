@@ -23,7 +23,7 @@ def _counters(rounds):
     counters = Counters(prefill_seconds=0.1, target_passes=1, new_tokens=1)
     for drafted, accepted in rounds:
         produced = accepted + 1
-        counters.record_round(drafted, accepted, produced)
+        counters.observe(drafted, accepted)
         counters.new_tokens += produced
     return counters
 
@@ -50,7 +50,7 @@ def test_run_metrics_definitions():
 def test_verify_cost_by_size_reads_each_pass_by_its_tokens():
     counters = Counters()
     for drafted, seconds in [(3, 0.12), (0, 0.1), (3, 0.14), (1, 0.11)]:  # passes over 4, 1, 4 and 2 tokens
-        counters.record_round(drafted, 0, 1, verify_seconds=seconds)
+        counters.observe(drafted, 0, verify_seconds=seconds)
     assert counters.verify_seconds == pytest.approx(0.47)
     costs = verify_cost_by_size(counters, plain_step=0.1)
     assert list(costs) == [1, 2, 4]  # sizes in order
@@ -60,7 +60,7 @@ def test_verify_cost_by_size_reads_each_pass_by_its_tokens():
     # added up over runs, and kept by a snapshot
     total = Counters.total([counters, counters.snapshot()])
     assert verify_cost_by_size(total, 0.1)[4] == pytest.approx((1.3, 4))
-    counters.record_round(0, 0, 1, verify_seconds=0.1)
+    counters.observe(0, 0, verify_seconds=0.1)
     assert len(total.verify_seconds_by_round) == 8
 
 

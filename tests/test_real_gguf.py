@@ -148,7 +148,8 @@ def test_every_mode_on_the_converted_model_is_identical_to_plain(converted, monk
     prompt_ids = encode_prompt(target, "def add(a, b):\n    return a + b\nprint(", chat=True)
     settings = GenerationSettings(max_new_tokens=24)
     plain = collect(plain_events(target, prompt_ids, settings))
-    spec = SpecSettings(mode=mode, num_draft_tokens=3, **_heads(mode, target, tmp_path))
+    spec = SpecSettings(mode=mode, num_draft_tokens_schedule="fixed", num_draft_tokens=3,
+                        **_heads(mode, target, tmp_path))
     check_pair(spec, target, draft)
     final = collect(spec_events(target, draft, prompt_ids, settings, spec, None))
     assert final.new_token_ids == plain.new_token_ids and final.finish_reason == plain.finish_reason

@@ -23,7 +23,7 @@ from specdemo.app import handlers as app_handlers
 from specdemo.app import ui
 from specdemo.app.recorder import Recorder
 from specdemo.render import html_replay, recording, video
-from specdemo.render.views import pane_html
+from specdemo.render.views import pane_html, race_details
 from specdemo.session import racelog
 from specdemo.session.racelog import RaceLog, RaceLogError
 from specdemo.session.racer import TIME_BUDGET, Racer
@@ -80,6 +80,8 @@ def test_log_survives_a_json_round_trip_and_rebuilds_the_race(raced) -> None:
     assert figures == {side: run.as_dict() for side, run in state.runs().items()}
     assert figures["spec"]["new_tokens"] == 24 and figures["spec"]["divergence"] is None
     assert log.settings.max_num_draft_tokens == 12
+    assert (log.settings.num_draft_tokens_schedule, log.settings.num_draft_tokens) == ("fixed", 4)
+    assert "draft tokens 4 ·" in race_details(log.settings)
 
 
 def test_the_race_api_json_holds_the_log(raced, tmp_path: Path) -> None:
@@ -91,7 +93,8 @@ def test_the_race_api_json_holds_the_log(raced, tmp_path: Path) -> None:
     assert racelog.load(saved) == log  # --from takes a saved /race response too
     # and the response's own fields follow from the log
     rebuilt = result_dict(RaceState.from_log(log))
-    for key in ("plain", "spec", "comparison", "mode", "num_draft_tokens", "max_num_draft_tokens", "log"):
+    for key in ("plain", "spec", "comparison", "mode", "num_draft_tokens_schedule", "num_draft_tokens",
+                "max_num_draft_tokens", "log"):
         assert rebuilt[key] == response[key], key
     for side in ("plain", "spec"):  # the one results schema, plus the texts and tokens
         assert {k: v for k, v in response[side].items() if k in log.figures()[side]} == log.figures()[side]
@@ -126,7 +129,7 @@ def test_a_log_rebuilds_every_live_figure_of_every_mode(mode, heads) -> None:
     racer = Racer(tiny_app.config(**heads))
     pair = "tiny-mismatch" if mode == "uag" else "tiny"
     request = RaceRequest(PROMPT, pair, mode=mode, num_draft_tokens="4" if "chain" in mode or mode in (
-        "draft", "uag", "ngram") else "adaptive", max_new_tokens=24, dtype="float32")
+        "draft", "uag", "ngram") else None, max_new_tokens=24, dtype="float32")
     live = None
     for live in racer.run(racer.prepare(request)):
         pass
@@ -187,6 +190,36 @@ def test_older_or_foreign_files_are_refused(log: RaceLog, tmp_path: Path, change
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    "old, schedule, num_draft_tokens, details",
+    [
+        ({"num_draft_tokens": "adaptive"}, "adaptive", None, "draft tokens adaptive (≤ 12) ·"),
+        ({"num_draft_tokens": "heuristic"}, "heuristic", None, "draft tokens heuristic (≤ 12) ·"),
+        ({"num_draft_tokens": 4}, "fixed", 4, "draft tokens 4 ·"),
+        ({"draft_tokens": "adaptive"}, "adaptive", None, "draft tokens adaptive (≤ 12) ·"),
+    ],
+)
+def test_logs_from_before_the_schedule_had_its_own_field_still_load(
+    log: RaceLog, old: dict, schedule: str, num_draft_tokens: int | None, details: str
+) -> None:
+    """Their num_draft_tokens (once draft_tokens) held the schedule's name, or k for a fixed one."""
+    data = copy.deepcopy(log.to_json())
+    for name in ("num_draft_tokens_schedule", "num_draft_tokens"):
+        data["settings"].pop(name)
+    data["settings"].update(old)
+    settings = RaceLog.from_json(json.loads(json.dumps(data))).settings
+    assert (settings.num_draft_tokens_schedule, settings.num_draft_tokens) == (schedule, num_draft_tokens)
+    assert details in race_details(settings)
+
+
+def test_the_recorded_demo_race_still_loads() -> None:
+    """assets/race-demo.json, written when the setting was ``draft_tokens: "adaptive"``, before the cap was logged."""
+    demo = racelog.load(Path(__file__).resolve().parents[1] / "assets" / "race-demo.json")
+    assert (demo.settings.num_draft_tokens_schedule, demo.settings.num_draft_tokens) == ("adaptive", None)
+    assert "draft tokens adaptive ·" in race_details(demo.settings) and demo.done
+    assert RaceLog.from_json(json.loads(racelog.dumps(demo))) == demo  # and it is written in today's fields
+
+
 def _first_spec_round(d: dict) -> dict:
     return d["sides"]["spec"][1]
 
@@ -223,6 +256,9 @@ HOSTILE = [  # what a browser could send to the app's recorder, or a file could 
     (lambda d: d["settings"].update(temperature="hot"), "settings.temperature must be a number"),
     (lambda d: d["settings"].update(max_new_tokens=10**9), "settings.max_new_tokens must be a whole number"),
     (lambda d: d["settings"].update(num_draft_tokens=[4]), "settings.num_draft_tokens must be a whole number"),
+    (lambda d: d["settings"].update(num_draft_tokens=65), "settings.num_draft_tokens must be a whole number"),
+    (lambda d: d["settings"].update(num_draft_tokens_schedule=5), "settings.num_draft_tokens_schedule must be text"),
+    (lambda d: d["settings"].update(num_draft_tokens=None), "settings.num_draft_tokens must be a whole number with"),
     (lambda d: d["settings"].update(chat="yes"), "settings.chat must be true or false"),
     (lambda d: d["settings"].pop("target"), "settings lack 'target'"),
     (lambda d: d.update(settings=[1]), "settings must be an object"),
@@ -463,6 +499,7 @@ def test_cli_races_and_writes_every_file(pair, tmp_path: Path, capsys) -> None:
     assert all(path.stat().st_size > 1000 for path in paths.values())
     log = racelog.load(paths["json"])
     assert log.settings.target == target and log.settings.pair is None and log.settings.num_draft_tokens == 3
+    assert log.settings.num_draft_tokens_schedule == "fixed"  # --num-draft-tokens alone: k every round
     assert log.settings.prompt == "def add(a, b):" and log.done and len(kinds_and_texts(log, "spec")[0]) == 12
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["prompt.txt", *(p.name for p in paths.values())])
     # --from re-renders the saved log: the same page again
@@ -490,6 +527,10 @@ def test_cli_races_and_writes_every_file(pair, tmp_path: Path, capsys) -> None:
           "--json", "{tmp}/race.json"], "prompt file"),
         (["--prompt", "hi", "--target", "{target}", "--draft", "{draft}", "--mode", "telepathy", "--dtype", "float32",
           "--json", "{tmp}/race.json"], "unknown mode"),
+        (["--prompt", "hi", "--target", "{target}", "--draft", "{draft}", "--num-draft-tokens-schedule", "often",
+          "--json", "{tmp}/race.json"], "num_draft_tokens_schedule must be one of fixed, adaptive, heuristic"),
+        (["--prompt", "hi", "--target", "{target}", "--draft", "{draft}", "--num-draft-tokens-schedule", "fixed",
+          "--json", "{tmp}/race.json"], "'fixed' needs num_draft_tokens"),
     ],
 )
 def test_cli_refuses_bad_input_in_one_line_and_writes_nothing(pair, tmp_path: Path, capsys, argv, message) -> None:

@@ -154,8 +154,8 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self.drafter, name)
 
-    def propose(self, context, max_tokens):
-        proposal = self.drafter.propose(context, max_tokens)
+    def propose(self, context, num_draft_tokens):
+        proposal = self.drafter.propose(context, num_draft_tokens)
         self.proposals.append(proposal)
         return proposal
 

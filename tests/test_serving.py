@@ -83,7 +83,8 @@ def test_prompt_over_the_token_cap_is_refused_before_the_draft_loads_or_any_pass
 
 def test_time_budget_ends_the_race_with_its_figures_so_far(caplog: pytest.LogCaptureFixture) -> None:
     racer = Racer(tiny_app.config(race_time_budget=0.4))
-    prepared = racer.prepare(RaceRequest(PROMPT, pair="tiny-slow", num_draft_tokens="2", max_new_tokens=480))
+    prepared = racer.prepare(RaceRequest(PROMPT, pair="tiny-slow", num_draft_tokens_schedule="fixed",
+                                         num_draft_tokens="2", max_new_tokens=480))
     caplog.set_level(logging.INFO, logger="specdemo.races")
     *_, state = racer.run(prepared)
     assert state.done and state.stop_reason == TIME_BUDGET
@@ -97,6 +98,7 @@ def test_time_budget_ends_the_race_with_its_figures_so_far(caplog: pytest.LogCap
     assert record["ended"] == "time budget" and record["pair"] == "tiny-slow" and record["mode"] == "draft"
     assert record["plain"]["new_tokens"] == state.plain.counters.new_tokens and record["spec"]["speedup"] > 0
     assert record["num_draft_tokens"] == 2 and record["max_num_draft_tokens"] == 12
+    assert record["num_draft_tokens_schedule"] == "fixed"
 
 
 def test_every_race_logs_one_line_without_the_prompt(caplog: pytest.LogCaptureFixture) -> None:
@@ -111,7 +113,9 @@ def test_every_race_logs_one_line_without_the_prompt(caplog: pytest.LogCaptureFi
     assert done["ended"] == "done" and done["spec"]["identical"] is True
     assert (done["plain"]["new_tokens"], done["spec"]["new_tokens"]) == (8, 8)
     assert done["prompt_tokens"] == len(prepared.prompt_ids) and done["seconds"] > 0
-    assert {"pair", "mode", "target", "draft", "dtype", "device", "num_draft_tokens", "max_num_draft_tokens"} <= set(done)
+    assert {"pair", "mode", "target", "draft", "dtype", "device", "num_draft_tokens_schedule", "num_draft_tokens",
+            "max_num_draft_tokens"} <= set(done)
+    assert (done["num_draft_tokens_schedule"], done["num_draft_tokens"]) == ("adaptive", None)
     # each side in the one results schema, as the bench's entries, /race's sides and the race log's figures
     assert set(done["spec"]) == set(result_dict(state)["spec"]) - {"text", "kinds", "tokens", "finish_reason",
                                                                     "rejected"}
@@ -212,7 +216,7 @@ def closed(decoders) -> bool:
 def start_slow_race(client, spied: list):
     """Submit a long race on the slow tiny target and wait until it runs; returns its job."""
     spied.clear()
-    job = client.submit(PROMPT, "tiny-slow", "draft", "1", 480, api_name="/race")
+    job = client.submit(PROMPT, "tiny-slow", "draft", "fixed", 1, 480, api_name="/race")
     assert wait_for(lambda: len(spied) >= 2, 60), "the race never started"
     return job
 
@@ -238,7 +242,8 @@ def test_a_disconnected_api_client_frees_the_worker(served, caplog) -> None:
     spied.clear()
     with httpx.Client(base_url=url, timeout=30) as http:
         posted = http.post(
-            "gradio_api/call/race", json={"data": [PROMPT, "tiny-slow", "draft", "1", 480, 0.0, 1.0, 0, True, "", "", ""]}
+            "gradio_api/call/race",
+            json={"data": [PROMPT, "tiny-slow", "draft", "fixed", 1, 480, 0.0, 1.0, 0, True, "", "", ""]},
         )
         event_id = posted.json()["event_id"]
         with http.stream("GET", f"gradio_api/call/race/{event_id}") as stream:

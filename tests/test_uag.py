@@ -49,8 +49,8 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["bytelevel-target", "sentencepiece-target"])
-@pytest.mark.parametrize("k", [1, 3, 6, "adaptive"])
-def test_greedy_equals_target_alone(swap: bool, k):
+@pytest.mark.parametrize("schedule,k", [("fixed", 1), ("fixed", 3), ("fixed", 6), ("adaptive", None)])
+def test_greedy_equals_target_alone(swap: bool, schedule: str, k):
     byte_level, sentencepiece = tokenizers_pair()
     target_tok, draft_tok = (sentencepiece, byte_level) if swap else (byte_level, sentencepiece)
     target, draft = _models(target_tok, draft_tok)
@@ -59,8 +59,9 @@ def test_greedy_equals_target_alone(swap: bool, k):
         prompt = target_tok(text)["input_ids"]
         expected = reference_greedy(target, prompt, 20)
         drafter = UniversalDrafter(draft, draft_tok, target_tok, SamplingSettings(), [draft_tok.eos_token_id])
-        final = collect(speculative_decode(CachedLM(target), drafter, make_policy(k), prompt, settings, (), target_tok))
-        assert final.new_token_ids == expected, (text, k)
+        final = collect(speculative_decode(CachedLM(target), drafter, make_policy(schedule, k), prompt, settings, (),
+                                           target_tok))
+        assert final.new_token_ids == expected, (text, schedule, k)
         assert final.text == target_tok.decode(expected, skip_special_tokens=True)
 
 
@@ -76,14 +77,14 @@ def test_eos_inside_a_draft_and_a_useful_draft():
     class Oracle(UniversalDrafter):
         """Drafts the target's own continuation, written through the draft tokenizer."""
 
-        def propose(self, context, max_tokens):
+        def propose(self, context, num_draft_tokens):
             if not self._sync_text(context):
-                return super().propose(context, max_tokens)
+                return super().propose(context, num_draft_tokens)
             produced = list(context[len(prompt) :])
-            future = free_run[len(produced) : len(produced) + max_tokens + 2]
+            future = free_run[len(produced) : len(produced) + num_draft_tokens + 2]
             draft_ids = sentencepiece(byte_level.decode(future, skip_special_tokens=False), add_special_tokens=False)["input_ids"]
             tokens = to_target_tokens(byte_level, context, sentencepiece.decode(draft_ids))
-            return super().propose(context, 0) if not tokens else type(super().propose(context, 0))(tokens[:max_tokens], None)
+            return super().propose(context, 0) if not tokens else type(super().propose(context, 0))(tokens[:num_draft_tokens], None)
 
     draft = llama(34, layers=1, vocab=len(sentencepiece))
     drafter = Oracle(draft, sentencepiece, byte_level, SamplingSettings(), [sentencepiece.eos_token_id])

@@ -32,16 +32,18 @@ from specdemo.render.views import (
     figures_html,
     identical_html,
     legend_html,
+    race_details,
     render_token,
     speedup_html,
     token_title,
 )
 from specdemo.session import racer as racer_module
+from specdemo.session.racelog import RaceLog
 from specdemo.session.request import (
     DTYPES,
     RaceRequest,
+    parse_draft_length,
     parse_max_new_tokens,
-    parse_num_draft_tokens,
     parse_seed,
 )
 from specdemo.session.state import RaceState
@@ -60,7 +62,7 @@ def run(handlers: app_handlers.Handlers, prompt: str = PROMPT, **overrides) -> l
         target="",
         draft="",
         mode="draft",
-        num_draft_tokens="4",
+        draft_tokens="4",
         max_new_tokens=40,
         temperature=0.0,
         top_p=1.0,
@@ -110,7 +112,7 @@ def test_legend_names_every_kind() -> None:
 def test_chart_frames_from_counters() -> None:
     counters = Counters()
     for drafted, accepted in [(4, 4), (4, 1), (3, 0), (4, 2)]:
-        counters.record_round(drafted, accepted, accepted + 1)
+        counters.observe(drafted, accepted)
     lengths = charts.accepted_length_frame(counters)
     assert list(lengths["tokens per pass"]) == ["1", "2", "3", "4", "5"]
     assert list(lengths["rounds"]) == [1, 1, 1, 0, 1]
@@ -135,12 +137,25 @@ def test_badges() -> None:
 
 
 def test_parsers() -> None:
-    assert parse_num_draft_tokens("adaptive") == "adaptive" and parse_num_draft_tokens("5") == 5
-    assert parse_num_draft_tokens(3.0) == 3 and parse_num_draft_tokens(None) == "adaptive"
-    assert parse_num_draft_tokens(MAX_NUM_DRAFT_TOKENS) == MAX_NUM_DRAFT_TOKENS == 64  # the bench's limit too
-    for bad in ("0", "sometimes", MAX_NUM_DRAFT_TOKENS + 1, True):
-        with pytest.raises(InputError):
-            parse_num_draft_tokens(bad)
+    # no schedule: fixed when a number is given, else adaptive; a number with a schedule: the first round's
+    assert parse_draft_length(None, None) == ("adaptive", None) and parse_draft_length("", "5") == ("fixed", 5)
+    assert parse_draft_length(" Heuristic ", 3.0) == ("heuristic", 3) and parse_draft_length("adaptive", "") == (
+        "adaptive", None)
+    assert parse_draft_length("fixed", MAX_NUM_DRAFT_TOKENS) == ("fixed", MAX_NUM_DRAFT_TOKENS)
+    assert MAX_NUM_DRAFT_TOKENS == 64  # the bench's limit too
+    for schedule, count, field, message in [
+        (None, "0", "num_draft_tokens", "num_draft_tokens must be a whole number from 1 to 64, got '0'"),
+        (None, "sometimes", "num_draft_tokens", "num_draft_tokens must be a whole number"),
+        (None, MAX_NUM_DRAFT_TOKENS + 1, "num_draft_tokens", "num_draft_tokens must be a whole number"),
+        (None, 2.5, "num_draft_tokens", "num_draft_tokens must be a whole number"),
+        (None, True, "num_draft_tokens", "num_draft_tokens must be a whole number"),
+        (None, "adaptive", "num_draft_tokens", "'adaptive' is a schedule: give it as num_draft_tokens_schedule"),
+        ("often", 3, "num_draft_tokens_schedule", "must be one of fixed, adaptive, heuristic, got 'often'"),
+        ("fixed", None, "num_draft_tokens", "'fixed' needs num_draft_tokens"),
+    ]:
+        with pytest.raises(InputError, match=re.escape(message)) as caught:
+            parse_draft_length(schedule, count)
+        assert caught.value.field == field and "\n" not in str(caught.value)
     assert parse_max_new_tokens(64.0, 100) == 64
     for bad in (0, -3, 101, 2.5, "lots", None):
         with pytest.raises(InputError, match="max new tokens"):
@@ -259,7 +274,7 @@ def test_medusa_modes_race_on_the_target_alone_with_named_heads(tmp_path) -> Non
         ({"pair": "nope"}, "unknown pair"),
         ({"pair": "tiny-mismatch"}, "different tokenizer"),
         ({"mode": "telepathy"}, "unknown mode"),
-        ({"num_draft_tokens": "lots"}, "draft tokens"),
+        ({"draft_tokens": "lots"}, "num_draft_tokens must be a whole number"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"seed": -4}, "seed"),
@@ -310,12 +325,40 @@ def test_api_returns_texts_kinds_and_metrics(handlers: app_handlers.Handlers) ->
     assert result["spec"]["speedup"] == result["comparison"]["speedup"] and result["plain"]["speedup"] == 1.0
     assert result["plain"]["identical"] is True and result["spec"]["divergence"] is None
     assert result["num_draft_tokens"] == 3 and result["max_num_draft_tokens"] == 12
+    assert result["num_draft_tokens_schedule"] == "fixed"  # a number without a schedule: that many every round
     assert {"speedup", "draft_cost", "verify_cost", "expected_speedup", "decode_speedup", "prefill_share"} <= set(
         result["comparison"]
     )
     assert result["comparison"]["decode_speedup"] > 0 and 0 < result["comparison"]["prefill_share"] < 1
     with pytest.raises(gr.Error, match="prompt is empty"):
         list(handlers.api("", pair="tiny"))
+
+
+def test_api_takes_the_schedule_and_the_first_rounds_draft(handlers: app_handlers.Handlers) -> None:
+    *_, result = handlers.api(PROMPT, pair="tiny", num_draft_tokens_schedule="heuristic", num_draft_tokens=2,
+                              max_new_tokens=12)
+    assert (result["num_draft_tokens_schedule"], result["num_draft_tokens"]) == ("heuristic", 2)
+    assert result["spec"]["identical"] is True
+    *_, result = handlers.api(PROMPT, pair="tiny", max_new_tokens=8)
+    assert (result["num_draft_tokens_schedule"], result["num_draft_tokens"]) == ("adaptive", None)
+    assert "draft tokens adaptive (≤ 12)" in race_details(RaceLog.from_json(result["log"]).settings)
+    with pytest.raises(gr.Error, match="num_draft_tokens_schedule must be one of fixed, adaptive, heuristic"):
+        list(handlers.api(PROMPT, pair="tiny", num_draft_tokens_schedule="often"))
+    with pytest.raises(gr.Error, match="'adaptive' is a schedule"):  # the old single setting: a pointer to the new
+        list(handlers.api(PROMPT, pair="tiny", num_draft_tokens="adaptive"))
+
+
+def test_a_refused_draft_length_is_shown_on_its_input(handlers: app_handlers.Handlers) -> None:
+    run_values = dict(zip(app_handlers.INPUTS, [PROMPT, "tiny", "", "", "draft", "lots", 16, 0.0, 1.0, 0,
+                                                 "float32", "none", True]))
+    checks = dict(zip(app_handlers.INPUTS, handlers.race_validator(*run_values.values())))
+    assert checks["draft_tokens"]["is_valid"] is False and "num_draft_tokens" in checks["draft_tokens"]["message"]
+    assert checks["prompt"]["is_valid"] is True
+    checks = dict(zip(app_handlers.API_INPUTS, handlers.api_validator(PROMPT, num_draft_tokens_schedule="often")))
+    assert checks["num_draft_tokens_schedule"]["is_valid"] is False and checks["prompt"]["is_valid"] is True
+    checks = dict(zip(app_handlers.API_INPUTS, handlers.api_validator(PROMPT, num_draft_tokens_schedule="fixed")))
+    assert checks["num_draft_tokens"]["is_valid"] is False and "needs num_draft_tokens" in checks[
+        "num_draft_tokens"]["message"]
 
 
 def test_warm_up_runs_once_per_pair() -> None:

@@ -33,7 +33,7 @@ from .charts import (
     cost_plot_update,
     race_frame,
 )
-from .config import AppConfig
+from .config import AppConfig, draft_length_of
 from .spaces import gpu
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ INPUTS = (
     "target",
     "draft",
     "mode",
-    "num_draft_tokens",
+    "draft_tokens",
     "max_new_tokens",
     "temperature",
     "top_p",
@@ -72,6 +72,8 @@ INPUTS = (
     "quantization",
     "chat",
 )
+#: the request's fields that a Run sets through a control of another name (a refusal is shown on that control)
+RUN_ALIASES = {"num_draft_tokens_schedule": "draft_tokens", "num_draft_tokens": "draft_tokens"}
 RACING_TEXT = "Racing… each side is timed only on its own work."
 
 
@@ -127,6 +129,13 @@ def starting_view(prepared: Prepared) -> tuple:
     values[OUTPUTS.index("status")] = RACING_TEXT
     values[OUTPUTS.index("cost_plot")] = cost_plot_update(prepared)
     return tuple(values)
+
+
+def run_inputs(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A Run's inputs by name as the request's: the draft-tokens choice as the draft length's schedule and count."""
+    inputs = dict(values)
+    inputs["num_draft_tokens_schedule"], inputs["num_draft_tokens"] = draft_length_of(inputs.pop("draft_tokens"))
+    return inputs
 
 
 def race_request(config: AppConfig, inputs: Mapping[str, Any]) -> RaceRequest:
@@ -189,7 +198,7 @@ class Handlers:
         target: str,
         draft: str,
         mode: str,
-        num_draft_tokens: str,
+        draft_tokens: str,
         max_new_tokens: float,
         temperature: float,
         top_p: float,
@@ -200,11 +209,11 @@ class Handlers:
         progress: gr.Progress = gr.Progress(),
     ) -> Iterator[tuple]:
         """One Run: load, then one race; yields the panes a few times a second and always the final state."""
-        request = race_request(self.config, dict(
-            prompt=prompt, pair=pair, target=target, draft=draft, mode=mode, num_draft_tokens=num_draft_tokens,
+        request = race_request(self.config, run_inputs(dict(
+            prompt=prompt, pair=pair, target=target, draft=draft, mode=mode, draft_tokens=draft_tokens,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, dtype=dtype,
             quantization=quantization, chat=chat,
-        ))
+        )))
 
         def report(fraction: float, message: str) -> None:
             progress(max(0.0, min(1.0, fraction)), desc=message)
@@ -225,7 +234,8 @@ class Handlers:
         prompt: str,
         pair: str = "",
         mode: str = "draft",
-        num_draft_tokens: str = "adaptive",
+        num_draft_tokens_schedule: str = "",
+        num_draft_tokens: int | None = None,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -238,12 +248,17 @@ class Handlers:
         """Run one race to the end: a short progress object after every round, then the final texts, per-token
         kinds and figures as JSON (``client.predict`` returns that last one).
 
+        ``num_draft_tokens_schedule``: "fixed", "adaptive" or "heuristic" (empty: fixed when ``num_draft_tokens``
+        is given, else adaptive); ``num_draft_tokens``: fixed, the tokens drafted every round; adaptive or
+        heuristic, the first round's (empty: the schedule's own start).
+
         Yielding every round lets the queue close the race within one round when the client cancels or
         disconnects, so the worker is free for the next visitor.
         """
         request = race_request(self.config, dict(
-            prompt=prompt, pair=pair, mode=mode, num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p, seed=seed, chat=chat, target=target, draft=draft, dtype=dtype,
+            prompt=prompt, pair=pair, mode=mode, num_draft_tokens_schedule=num_draft_tokens_schedule,
+            num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            seed=seed, chat=chat, target=target, draft=draft, dtype=dtype,
         ))
         prepared = prepare(self.racer, request)
         yield from race_updates(
@@ -254,7 +269,7 @@ class Handlers:
 
     def race_validator(self, *values: Any) -> list[dict]:
         """The Run's validator: its inputs in :data:`INPUTS` order."""
-        return self.validation(race_request(self.config, dict(zip(INPUTS, values))), INPUTS)
+        return self.validation(race_request(self.config, run_inputs(dict(zip(INPUTS, values)))), INPUTS, RUN_ALIASES)
 
     def api_validator(self, *values: Any, **named: Any) -> list[dict]:
         """The ``/race`` API's validator: its inputs as :meth:`api_race` takes them, in order or by name."""
@@ -262,14 +277,17 @@ class Handlers:
         inputs.apply_defaults()
         return self.validation(race_request(self.config, inputs.arguments), API_INPUTS)
 
-    def validation(self, request: RaceRequest, names: Sequence[str]) -> list[dict]:
+    def validation(
+        self, request: RaceRequest, names: Sequence[str], aliases: Mapping[str, str] | None = None
+    ) -> list[dict]:
         """One ``gr.validate`` per input: the cheap checks of :meth:`Racer.check`, the message on the input at
-        fault (or on the prompt)."""
+        fault (``aliases``: the input that sets a request field of another name), or on the prompt."""
         try:
             self.racer.check(request)
         except InputError as error:
             log_refusal(str(error))
-            blamed = error.field if error.field in names else names[0]
+            field = (aliases or {}).get(error.field, error.field)
+            blamed = field if field in names else names[0]
             return [gr.validate(name != blamed, str(error) if name == blamed else "") for name in names]
         return [gr.validate(True, "") for _ in names]
 

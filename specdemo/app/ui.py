@@ -40,7 +40,7 @@ from ..session.calibration import PASS_LENGTHS, cached_format_choice
 from ..session.request import DTYPES
 from ..session.state import PaneState
 from .charts import COST_COLOURS, SIDE_COLOURS
-from .config import NUM_DRAFT_TOKENS_CHOICES, AppConfig, example_prompts
+from .config import DRAFT_TOKENS_CHOICES, AppConfig, example_prompts
 from .handlers import INPUTS, OUTPUTS, Handlers, make_handlers
 from .recorder import RECORD_FILES, RECORD_LABELS, RECORD_VIDEOS, Recorder
 
@@ -116,7 +116,7 @@ class SettingsControls:
     pair: gr.Dropdown
     pair_info: gr.Markdown
     mode: gr.Dropdown
-    num_draft_tokens: gr.Dropdown
+    draft_tokens: gr.Dropdown  # one choice for the draft length's schedule and count (see config.draft_length_of)
     max_new_tokens: gr.Slider
 
 
@@ -274,10 +274,10 @@ def _settings(config: AppConfig) -> SettingsControls:
             label="Speculative mode",
             elem_id="mode",
         )
-        num_draft_tokens = gr.Dropdown(
+        draft_tokens = gr.Dropdown(
             choices=[("adaptive (cost-aware)", "adaptive"), ("heuristic (+2/−1)", "heuristic")]
-            + [(k, k) for k in NUM_DRAFT_TOKENS_CHOICES[2:]],
-            value=config.num_draft_tokens if config.num_draft_tokens in NUM_DRAFT_TOKENS_CHOICES else "adaptive",
+            + [(k, k) for k in DRAFT_TOKENS_CHOICES[2:]],
+            value=config.draft_tokens if config.draft_tokens in DRAFT_TOKENS_CHOICES else "adaptive",
             label="Draft tokens per round",
             elem_id="draft-tokens",
         )
@@ -289,7 +289,7 @@ def _settings(config: AppConfig) -> SettingsControls:
         label="Max new tokens",
         elem_id="max-new-tokens",
     )
-    return SettingsControls(pair, pair_info, mode, num_draft_tokens, max_new_tokens)
+    return SettingsControls(pair, pair_info, mode, draft_tokens, max_new_tokens)
 
 
 def _more_settings(config: AppConfig) -> MoreSettings:

@@ -72,20 +72,33 @@ class Counters:
     def seconds(self) -> float:
         return self.prefill_seconds + self.draft_seconds + self.verify_seconds
 
-    def record_round(
+    def observe_prefill(self, seconds: float, new_tokens: int) -> None:
+        """The prompt's pass: ``seconds`` of it, and ``new_tokens`` written by it (the first)."""
+        self.prefill_seconds += seconds
+        self.target_passes += 1
+        self.new_tokens = new_tokens
+
+    def observe(
         self,
         num_draft_tokens: int,
         num_accepted: int,
-        num_written: int,
+        *,
+        new_tokens: int | None = None,
         depth: int | None = None,
         sources: Sequence[str] = (),
+        draft_seconds: float = 0.0,
         verify_seconds: float = 0.0,
     ) -> None:
-        """One verify round: ``num_draft_tokens`` tokens drafted (tree nodes), ``num_accepted`` of them accepted (the
-        accepted path's length), ``num_written`` tokens written; per-position counts go by depth (a chain's depth is
-        its length); ``sources``: who drafted each accepted token written (an EOS inside the path cuts it), for a
-        drafter with several parts; ``verify_seconds``: its target pass (added to the run's verify seconds)."""
+        """The one way a verify round enters the counters (a plain step is a round with no draft):
+        ``num_draft_tokens`` tokens drafted (tree nodes), ``num_accepted`` of them accepted (the accepted path's
+        length), so ``num_accepted + 1`` tokens came from the pass; ``new_tokens``: the run's written tokens after
+        it (None: not counted here); per-position counts go by ``depth`` (a chain's depth is its length);
+        ``sources``: who drafted each accepted token written (an EOS inside the path cuts it), for a drafter with
+        several parts; ``draft_seconds`` and ``verify_seconds``: its drafting and its target pass."""
         depth = num_draft_tokens if depth is None else depth
+        if new_tokens is not None:
+            self.new_tokens = new_tokens
+        self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
         self.verify_seconds_by_round.append(verify_seconds)
         for source in sources:
@@ -96,8 +109,12 @@ class Counters:
         self.accepted += num_accepted
         if num_accepted < num_draft_tokens:
             self.rejection_rounds += 1
-        self.accepted_lengths.append(num_written)
+        self.accepted_lengths.append(num_accepted + 1)
         self.draft_lengths.append(num_draft_tokens)
+        self._observe_positions(depth, num_accepted)
+
+    def _observe_positions(self, depth: int, num_accepted: int) -> None:
+        """Per draft position up to ``depth``: drafted, checked (every earlier one accepted), accepted."""
         while len(self.drafted_at) < depth:
             self.drafted_at.append(0)
             self.accepted_at.append(0)

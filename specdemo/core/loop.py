@@ -5,7 +5,8 @@ pass. The engine never prints, never seeds the global RNG and knows nothing of a
 own device work (drafting, verification), so two decoders can be interleaved by one consumer (see
 :mod:`specdemo.session.race`) without either being charged for the other.
 
-The speculative loop is one short round, in the spirit of gpt-fast's ``speculative_decode``: draft, one verify pass
+The speculative loop runs one short round at a time (:func:`_round`, in the spirit of gpt-fast's
+``speculative_decode``): draft, one verify pass
 over [last token + draft], acceptance, keep the accepted rows in the target's cache, write the accepted tokens and
 the target's own. A chain is the tree whose parents are ``[-1, 0, 1, ...]``, so both go through the same pass and
 cache update; only acceptance differs (greedy chains: :func:`accept_greedy`, sampled chains: rejection sampling,
@@ -18,6 +19,7 @@ injectable (any callable returning seconds), so a simulator runs this same loop 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
@@ -152,21 +154,89 @@ def plain_decode(
 
     token, prefill, seconds = _prefill(target, prompt, settings.sampling, generator, clock, with_hidden=False)
     logits = prefill.logits[-1]
-    counters.prefill_seconds += seconds
-    counters.target_passes += 1
+    output.admit([token])
+    counters.observe_prefill(seconds, len(output.ids))
+    yield events.plain_step(0, token, logits, seconds, counters, output.ids, output.finish_reason)
     round_index = 0
-    while True:
-        output.admit([token])
-        counters.new_tokens = len(output.ids)
-        yield events.plain_step(round_index, token, logits, seconds, counters, output.ids, output.finish_reason)
-        if output.finish_reason is not None:
-            return
+    while output.finish_reason is None:
         round_index += 1
         start = clock()
         logits = target.run(torch.tensor([token]), all_logits=False, with_hidden=False).logits[-1]
         token = choose_token(logits, settings.sampling, generator)
         seconds = clock() - start
-        counters.record_round(0, 0, 1, verify_seconds=seconds)
+        output.admit([token])
+        counters.observe(0, 0, new_tokens=len(output.ids), verify_seconds=seconds)
+        yield events.plain_step(round_index, token, logits, seconds, counters, output.ids, output.finish_reason)
+
+
+@dataclass
+class _Speculation:
+    """What every round of one speculative run works with. ``layers``: ``{"hidden_layers": ...}`` for a drafter
+    that names the target layers it reads, passed to every target pass (else empty, so every other drafter's
+    passes stay exactly what they were)."""
+
+    target: LanguageModel
+    drafter: Drafter
+    policy: DraftLengthPolicy
+    sampling: SamplingSettings
+    generator: torch.Generator | None
+    clock: Clock
+    layers: dict[str, tuple[int, ...]]
+
+    @property
+    def with_hidden(self) -> bool:
+        return self.drafter.needs_hidden_states
+
+
+@dataclass
+class _Round:
+    """What one round did: the proposal as verified, the target's pass and the verdict on it (with the target
+    distribution where acceptance computed it), and the seconds of drafting and of verifying."""
+
+    proposal: Proposal
+    target_pass: TargetPass
+    verdict: Verdict
+    target_probs: torch.Tensor | None
+    draft_seconds: float
+    verify_seconds: float
+
+    @property
+    def tokens(self) -> list[int]:
+        """The accepted draft tokens and the target's own next token."""
+        return [self.proposal.tokens[node] for node in self.verdict.accepted_nodes] + [self.verdict.next_token]
+
+    @property
+    def depth(self) -> int:
+        """The draft's depth: a chain's length, a tree's longest path."""
+        if self.proposal.parents is None:
+            return len(self.proposal.tokens)
+        return max(tree_depths(self.proposal.parents), default=-1) + 1
+
+    def sources(self, written: int) -> list[str]:
+        """Who drafted each accepted token among the first ``written`` tokens (an EOS inside the path cuts it)."""
+        if not self.proposal.sources:
+            return []
+        return [self.proposal.sources[node] for node in self.verdict.accepted_nodes[:written]]
+
+
+def _round(run: _Speculation, context: Sequence[int], num_draft_tokens: int) -> _Round:
+    """One round: draft, one verify pass over [last token + draft], acceptance, the accepted rows kept in the
+    target's cache, and the drafter and the policy told the outcome."""
+    start = run.clock()
+    proposal = _draft(run.drafter, context, num_draft_tokens)
+    drafted_at = run.clock()
+    draft = torch.tensor(proposal.tokens, dtype=torch.long, device=run.target.device)
+    parents = chain_parents(len(draft)) if proposal.parents is None else proposal.parents
+    verify_input = torch.cat([torch.tensor([context[-1]], device=run.target.device), draft])
+    tree_parents = [-1] + [parent + 1 for parent in parents]
+    target_pass = run.target.run(verify_input, parents=tree_parents, with_hidden=run.with_hidden, **run.layers)
+    verdict, target_probs = _accept(draft, proposal, target_pass.logits, run.sampling, run.generator)
+    run.target.keep(len(draft) + 1, [0] + [node + 1 for node in verdict.accepted_nodes])
+    done = _Round(proposal, target_pass, verdict, target_probs, drafted_at - start, run.clock() - drafted_at)
+    run.drafter.feedback(RoundResult(proposal, verdict, target_pass))
+    catch_up = proposal.catch_up_seconds  # booked apart: it is no cost per drafted token
+    run.policy.update(len(draft), verdict.num_accepted, done.draft_seconds - catch_up, done.verify_seconds, catch_up)
+    return done
 
 
 def speculative_decode(
@@ -190,59 +260,33 @@ def speculative_decode(
     ``clock``: seconds for timing (default: the target device's wall clock).
     """
     settings.validate()
-    sampling, device, hidden = settings.sampling, target.device, drafter.needs_hidden_states
-    hidden_layers = getattr(drafter, "hidden_layers", None) if hidden else None
-    # passed only when named, so every other drafter's target passes stay exactly what they were
-    layers = {"hidden_layers": tuple(hidden_layers)} if hidden_layers is not None else {}
+    layers = {"hidden_layers": tuple(drafter.hidden_layers)} if drafter.hidden_layers is not None else {}
+    generator = seeded_generator(settings.sampling.seed, target.device)
+    clock = clock or device_clock(target.device)
+    run = _Speculation(target, drafter, policy, settings.sampling, generator, clock,
+                       layers if drafter.needs_hidden_states else {})
     prompt = _check_prompt(prompt_ids)
-    clock = clock or device_clock(device)
-    generator = seeded_generator(sampling.seed, device)
     output, events, counters = _Output(settings, eos_token_ids), EventMaker(tokenizer, settings, side), Counters()
 
-    token, prefill, seconds = _prefill(target, prompt, sampling, generator, clock, hidden, layers)
+    token, prefill, seconds = _prefill(target, prompt, run.sampling, run.generator, run.clock, run.with_hidden,
+                                       run.layers)
     drafter.start(prompt_ids, prefill)
-    counters.prefill_seconds += seconds
-    counters.target_passes += 1
     context = [int(t) for t in prompt_ids] + output.admit([token])
-    counters.new_tokens = len(output.ids)
+    counters.observe_prefill(seconds, len(output.ids))
     yield events.plain_step(0, token, prefill.logits[-1], seconds, counters, output.ids, output.finish_reason)
     round_index = 0
     while output.finish_reason is None:
         round_index += 1
         remaining = settings.max_new_tokens - len(output.ids)
-        num_draft_tokens = min(policy.next_length(remaining), remaining - 1)
-
-        start = clock()
-        proposal = _draft(drafter, context, num_draft_tokens)
-        draft = torch.tensor(proposal.tokens, dtype=torch.long, device=device)
-        drafted_at = clock()
-        parents = chain_parents(len(draft)) if proposal.parents is None else proposal.parents
-        verify_input = torch.cat([torch.tensor([context[-1]], device=device), draft])
-        tree_parents = [-1] + [p + 1 for p in parents]
-        target_pass = target.run(verify_input, parents=tree_parents, with_hidden=hidden, **layers)
-        verdict, target_probs = _accept(draft, proposal, target_pass.logits, sampling, generator)
-        target.keep(len(draft) + 1, [0] + [node + 1 for node in verdict.accepted_nodes])
-        verified_at = clock()
-
-        draft_seconds, verify_seconds = drafted_at - start, verified_at - drafted_at
-        counters.draft_seconds += draft_seconds
-        drafter.feedback(RoundResult(proposal, verdict, target_pass))
-        catch_up = proposal.catch_up_seconds  # booked apart: it is no cost per drafted token
-        policy.update(len(draft), verdict.num_accepted, draft_seconds - catch_up, verify_seconds, catch_up)
-
-        written = output.admit([proposal.tokens[node] for node in verdict.accepted_nodes] + [verdict.next_token])
+        done = _round(run, context, min(policy.next_num_draft_tokens(remaining), remaining - 1))
+        written = output.admit(done.tokens)
         context.extend(written)
-        depth = max(tree_depths(parents), default=-1) + 1
-        # who drafted the accepted tokens written (an EOS inside the path cuts it), as the display shows them
-        kept = verdict.accepted_nodes[: len(written)]
-        sources = [proposal.sources[node] for node in kept] if proposal.sources else ()
-        counters.record_round(len(draft), verdict.num_accepted, verdict.num_accepted + 1, depth, sources,
-                              verify_seconds)
-        counters.new_tokens = len(output.ids)
-        done = VerifyRound(
-            round_index, proposal, target_pass.logits, target_probs, verdict, written, draft_seconds, verify_seconds
-        )
-        yield events.verify_round(done, counters, output.ids, output.finish_reason)
+        counters.observe(len(done.proposal.tokens), done.verdict.num_accepted, new_tokens=len(output.ids),
+                         depth=done.depth, sources=done.sources(len(written)), draft_seconds=done.draft_seconds,
+                         verify_seconds=done.verify_seconds)
+        verified = VerifyRound(round_index, done.proposal, done.target_pass.logits, done.target_probs, done.verdict,
+                               written, done.draft_seconds, done.verify_seconds)
+        yield events.verify_round(verified, counters, output.ids, output.finish_reason)
 
 
 def collect(events: Iterator[RoundEvent]) -> RoundEvent:

@@ -99,15 +99,18 @@ class Drafter(Protocol):
     """A drafting strategy. ``context`` is the whole sequence so far (prompt + accepted output)."""
 
     name: str
-    #: the drafter reads the target's final hidden states (from the prompt pass and every verify pass); the loop
-    #: asks the target for them only then. A drafter that reads other layers' states names them in an optional
-    #: attribute ``hidden_layers`` (a sequence of layer indices, see :meth:`LanguageModel.run`), which the loop
-    #: passes on to every target pass.
+    #: the drafter reads the target's hidden states (from the prompt pass and every verify pass); the loop asks the
+    #: target for them only then
     needs_hidden_states: bool
+    #: with ``needs_hidden_states``: the target layers whose states it reads (indices, see
+    #: :meth:`LanguageModel.run`), which the loop passes on to every target pass; None: the final hidden states
+    hidden_layers: tuple[int, ...] | None
 
     def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None: ...
 
-    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal: ...
+    def propose(self, context: Sequence[int], num_draft_tokens: int) -> Proposal:
+        """At most ``num_draft_tokens`` tokens after ``context`` (tree nodes, for a drafter that proposes trees)."""
+        ...
 
     def feedback(self, result: RoundResult) -> None: ...
 
@@ -115,7 +118,7 @@ class Drafter(Protocol):
 class DraftLengthPolicy(Protocol):
     """How many tokens to draft each round, learning from each round's outcome and costs."""
 
-    def next_length(self, remaining: int | None = None) -> int:
+    def next_num_draft_tokens(self, remaining: int | None = None) -> int:
         """Tokens to draft this round; ``remaining``: how many more tokens the run may write (None: unknown)."""
         ...
 

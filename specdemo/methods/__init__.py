@@ -18,12 +18,15 @@ from ..core.protocol import Drafter, DraftLengthPolicy
 from ..core.settings import MAX_NUM_DRAFT_TOKENS
 from .base import BuildContext, Method, PolicyContext
 from .draft_length import make_policy
+from .ngram import NgramOptions
 
 if TYPE_CHECKING:
     from ..backends.loading import LoadedModel
     from ..core.economics import CostCurve
     from ..core.settings import GenerationSettings
 
+#: the n-gram settings' defaults, declared once by the n-gram mode's options
+_NGRAM = NgramOptions()
 #: the files of this folder that hold no method
 _NOT_METHODS = frozenset({"base", "draft_length"})
 
@@ -63,14 +66,17 @@ class SpecSettings:
     the fields its options dataclass names)."""
 
     mode: str = "draft"
-    num_draft_tokens: int | str = "adaptive"  # k, "adaptive" (cost-aware) or "heuristic" (+2/-1)
-    max_num_draft_tokens: int = 12  # the most an adaptive policy drafts in one round
+    num_draft_tokens_schedule: str = "adaptive"  # "fixed", "adaptive" (cost-aware) or "heuristic" (+2/-1)
+    #: fixed: the tokens drafted every round (required); adaptive, heuristic: the first round's (None: the
+    #: schedule's own start, see :func:`~specdemo.methods.draft_length.make_policy`)
+    num_draft_tokens: int | None = None
+    max_num_draft_tokens: int = 12  # the most an adaptive or heuristic policy drafts in one round
     draft_head_tokens: int | None = None  # draft LM head restricted to this many frequent ids; None = auto, 0 = full
     confidence_stop: float = 0.0
     draft_int8: bool | None = None  # int8 draft copy; None = the method decides (see Method.draft_int8)
-    ngram_min: int = 1
-    ngram_max: int = 4
-    ngram_prefer: str = "follow"  # which earlier occurrence an n-gram draft copies: "follow", "recent" or "first"
+    ngram_min: int = _NGRAM.ngram_min
+    ngram_max: int = _NGRAM.ngram_max
+    ngram_prefer: str = _NGRAM.ngram_prefer  # which earlier occurrence an n-gram draft copies (NGRAM_PREFERENCES)
     medusa_heads: str | None = None  # folder of Medusa heads; None = the heads shipped for the target
     eagle_head: str | None = None  # EAGLE-3 head: a folder or Hub id; None = the head shipped for the target
     eagle_lookup: bool = True  # the EAGLE tree also holds prompt lookup's continuation (greedy runs)
@@ -88,11 +94,18 @@ class SpecSettings:
 
     def validate(self) -> None:
         get_method(self.mode)
-        make_policy(self.num_draft_tokens, self.max_num_draft_tokens)
         if not 1 <= self.max_num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
             raise InputError(
-                f"the longest draft must be between 1 and {MAX_NUM_DRAFT_TOKENS} tokens, got "
+                f"max_num_draft_tokens (the longest draft) must be between 1 and {MAX_NUM_DRAFT_TOKENS} tokens, got "
                 f"{self.max_num_draft_tokens}",
+                field="max_num_draft_tokens",
+            )
+        make_policy(self.num_draft_tokens_schedule, self.num_draft_tokens, self.max_num_draft_tokens)
+        first = self.num_draft_tokens
+        if self.num_draft_tokens_schedule != "fixed" and first is not None and first > self.max_num_draft_tokens:
+            raise InputError(
+                f"num_draft_tokens (the first round's draft, {first}) must be at most max_num_draft_tokens "
+                f"({self.max_num_draft_tokens}) with the {self.num_draft_tokens_schedule} schedule",
                 field="num_draft_tokens",
             )
         for method in METHODS.values():  # every knob is checked, whichever mode runs
@@ -133,11 +146,12 @@ def make_spec_policy(
     method = spec.method
     if method.make_policy is not None:
         context = PolicyContext(
-            target, settings, spec.options(), spec.num_draft_tokens, spec.max_num_draft_tokens, prior
+            target, settings, spec.options(), spec.num_draft_tokens_schedule, spec.num_draft_tokens,
+            spec.max_num_draft_tokens, prior,
         )
         return method.make_policy(context)
-    return make_policy(spec.num_draft_tokens, spec.max_num_draft_tokens, free_drafts=method.drafts_for_free,
-                       prior=prior)
+    return make_policy(spec.num_draft_tokens_schedule, spec.num_draft_tokens, spec.max_num_draft_tokens,
+                       free_drafts=method.drafts_for_free, prior=prior)
 
 
 def make_drafter(

@@ -32,14 +32,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# n-gram (prompt lookup)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# draft model
-
-
 def head_token_ids(head_tokens: int, vocab_size: int, prompt_ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
     """The token ids a restricted LM head scores: the lowest ``head_tokens`` ids (the earliest BPE merges, i.e. the
     most frequent tokens), every prompt id and the EOS ids, all below ``vocab_size``, ascending."""
@@ -76,8 +68,6 @@ def catch_up(lm: CachedLM, feed: torch.Tensor) -> tuple[torch.Tensor, float]:
     return feed[-1:], now(lm.device) - started
 
 
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # the method descriptor
 
@@ -101,7 +91,8 @@ class PolicyContext:
     target: "LoadedModel"
     settings: "GenerationSettings"
     options: Any
-    num_draft_tokens: int | str
+    num_draft_tokens_schedule: str
+    num_draft_tokens: int | None
     max_num_draft_tokens: int
     prior: "CostCurve | None"
 
@@ -146,10 +137,11 @@ def heads_policy(context: PolicyContext, tree: bool, chain_cap: int | None = Non
     """The draft-length policy of heads on the target, whose drafts cost next to nothing: a node budget for a
     greedy adaptive tree (the drafter sizes each tree from the budget's verify costs), else the free-drafts policy
     with chains of at most ``chain_cap`` tokens (None: no cap beyond the settings')."""
-    if tree and context.settings.sampling.greedy and context.num_draft_tokens == "adaptive":
+    if tree and context.settings.sampling.greedy and context.num_draft_tokens_schedule == "adaptive":
         return TreeBudget(max_num_draft_tokens=context.max_num_draft_tokens, prior=context.prior)
-    longest = context.max_num_draft_tokens if chain_cap is None else min(context.max_num_draft_tokens, chain_cap)
-    return make_policy(context.num_draft_tokens, longest, free_drafts=True, prior=context.prior)
+    cap = context.max_num_draft_tokens if chain_cap is None else min(context.max_num_draft_tokens, chain_cap)
+    return make_policy(context.num_draft_tokens_schedule, context.num_draft_tokens, cap, free_drafts=True,
+                       prior=context.prior)
 
 
 def tree_verify_cost(policy: DraftLengthPolicy | None, tree: bool) -> Callable[[int], float] | None:

@@ -47,7 +47,7 @@ class FixedDraftLength:
 
     num_draft_tokens: int
 
-    def next_length(self, remaining: int | None = None) -> int:
+    def next_num_draft_tokens(self, remaining: int | None = None) -> int:
         return self.num_draft_tokens
 
     def update(
@@ -69,7 +69,7 @@ class HeuristicDraftLength:
     min_num_draft_tokens: int = 1
     max_num_draft_tokens: int = 16
 
-    def next_length(self, remaining: int | None = None) -> int:
+    def next_num_draft_tokens(self, remaining: int | None = None) -> int:
         return self.num_draft_tokens
 
     def update(
@@ -131,7 +131,7 @@ class CostAwareDraftLength:
 
     def __init__(
         self,
-        first_num_draft_tokens: int = 4,
+        num_draft_tokens: int = 4,
         max_num_draft_tokens: int = 12,
         decay: float = 0.9,
         probe_every: int = 8,
@@ -140,7 +140,7 @@ class CostAwareDraftLength:
         prior: "CostCurve | None" = None,
         draft_seconds_per_token: float | None = None,
     ) -> None:
-        self.first_num_draft_tokens = min(first_num_draft_tokens, max_num_draft_tokens)
+        self._first_num_draft_tokens = min(num_draft_tokens, max_num_draft_tokens)  # the first round's
         self.measure_plain_step = measure_plain_step
         self.max_num_draft_tokens = max_num_draft_tokens
         self.decay = decay
@@ -166,7 +166,7 @@ class CostAwareDraftLength:
         self._plain_seconds_since_draft = 0.0
         self._catch_up_per_token: float | None = None  # the drafter's catch-up per plain step it sat out
         self._plain_measured = False  # a plain step timed in this run (TreeBudget times one even with a prior)
-        self.num_draft_tokens = self.first_num_draft_tokens
+        self.num_draft_tokens = self._first_num_draft_tokens
         if prior is not None:
             for length in prior.lengths:
                 if length <= max_num_draft_tokens + 1:
@@ -245,11 +245,12 @@ class CostAwareDraftLength:
         extra = (self._draft_time_per_token or 0.0) + catch_up + self._verify_cost(2) - plain * (1.0 + acceptance)
         return extra <= PROBE_BUDGET * self._plain_seconds_since_draft
 
-    def next_length(self, remaining: int | None = None) -> int:
+    def next_num_draft_tokens(self, remaining: int | None = None) -> int:
         self._rounds += 1
         if self._rounds == 1 or self._draft_time_per_token is None or not self._verify_time:
             # a first look at acceptance; a single draft token where the prior says drafting can hardly pay
-            return self.first_num_draft_tokens if self.drafting_could_pay() else min(1, self.first_num_draft_tokens)
+            first = self._first_num_draft_tokens
+            return first if self.drafting_could_pay() else min(1, first)
         if self._rounds == 2 and self.measure_plain_step and 1 not in self._verify_time:
             return 0  # measure a plain step once: the reference every other length is compared with
         acceptance_at = self.acceptance_at()
@@ -347,7 +348,7 @@ class CostAwareDraftLength:
             self._catch_up_per_token = per_token if previous is None else 0.7 * previous + 0.3 * per_token
         self._rounds_since_draft = 0
         self._plain_seconds_since_draft = 0.0
-        if self._probing:  # the pace comes back only when drafting pays again (see next_length)
+        if self._probing:  # the pace comes back only when drafting pays again (see next_num_draft_tokens)
             self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
         self._probing = False
 
@@ -357,7 +358,7 @@ class TreeBudget(CostAwareDraftLength):
     adaptive policy (measured passes fitted on top of the calibrated curve) for the drafter, which sizes each tree
     itself from its candidates' probabilities (see :class:`specdemo.methods.medusa.MedusaDrafter`)."""
 
-    def next_length(self, remaining: int | None = None) -> int:
+    def next_num_draft_tokens(self, remaining: int | None = None) -> int:
         self._rounds += 1
         if self._rounds == 2 and self.measure_plain_step and not self._plain_measured:
             # time a plain step in this run, calibrated or not: the machine's speed drifts with its load (one-token
@@ -488,14 +489,22 @@ class TreeSizer:
         self._observed *= TREE_DECAY
 
 
+#: how the draft length is chosen each round (``num_draft_tokens_schedule``): k every round, the cost-aware policy,
+#: or transformers' +2/-1 heuristic (as its ``num_assistant_tokens_schedule``)
+NUM_DRAFT_TOKENS_SCHEDULES = ("fixed", "adaptive", "heuristic")
+
+
 def make_policy(
-    num_draft_tokens: int | str,
+    schedule: str,
+    num_draft_tokens: int | None = None,
     max_num_draft_tokens: int = 12,
     free_drafts: bool = False,
     prior: CostCurve | None = None,
 ) -> DraftLengthPolicy:
-    """``num_draft_tokens``: a whole number from 1 to :data:`~specdemo.core.settings.MAX_NUM_DRAFT_TOKENS` (fixed),
-    "adaptive" (cost-aware, up to ``max_num_draft_tokens``) or "heuristic" (+2/-1, up to the same).
+    """The policy of ``schedule`` (one of :data:`NUM_DRAFT_TOKENS_SCHEDULES`): "fixed" drafts ``num_draft_tokens``
+    (required, 1 to :data:`~specdemo.core.settings.MAX_NUM_DRAFT_TOKENS`) every round; "adaptive" (cost-aware) and
+    "heuristic" (+2/-1) draft up to ``max_num_draft_tokens``, ``num_draft_tokens`` in the first round (None: the
+    schedule's own start: the adaptive policy's 4, or its longest with free drafts; the heuristic's 5).
 
     ``free_drafts``: drafting costs next to nothing (n-gram lookup), so the adaptive policy starts at its longest
     draft instead of ramping up to it, and takes its plain-step cost from the rounds with no draft (there are always
@@ -503,24 +512,31 @@ def make_policy(
     more. ``prior``: the machine's cost curve, which the adaptive policy's estimates start from (its draft step only
     for a draft-model drafter; free drafts learn their tiny cost from the first round).
     """
-    if isinstance(num_draft_tokens, str):
-        name = num_draft_tokens.strip().lower()
-        if name == "adaptive":
-            draft_seconds = prior.draft_seconds_per_token if prior is not None and not free_drafts else None
-            return CostAwareDraftLength(
-                first_num_draft_tokens=max_num_draft_tokens if free_drafts else 4,
-                max_num_draft_tokens=max_num_draft_tokens,
-                measure_plain_step=not free_drafts,
-                prior=prior,
-                draft_seconds_per_token=draft_seconds,
-            )
-        if name == "heuristic":
-            return HeuristicDraftLength(max_num_draft_tokens=max_num_draft_tokens)
-        if not name.isdigit():
-            raise ValueError(
-                f"draft length must be a number >= 1, 'adaptive' or 'heuristic', got {num_draft_tokens!r}"
-            )
-        num_draft_tokens = int(name)
-    if num_draft_tokens < 1 or num_draft_tokens > MAX_NUM_DRAFT_TOKENS:
-        raise ValueError(f"draft length must be between 1 and {MAX_NUM_DRAFT_TOKENS}, got {num_draft_tokens}")
-    return FixedDraftLength(int(num_draft_tokens))
+    if num_draft_tokens is not None and (
+        not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool)
+        or not 1 <= num_draft_tokens <= MAX_NUM_DRAFT_TOKENS
+    ):
+        raise ValueError(
+            f"num_draft_tokens must be a whole number from 1 to {MAX_NUM_DRAFT_TOKENS}, got {num_draft_tokens!r}"
+        )
+    if schedule == "fixed":
+        if num_draft_tokens is None:
+            raise ValueError("num_draft_tokens_schedule 'fixed' needs num_draft_tokens, the tokens drafted every round")
+        return FixedDraftLength(num_draft_tokens)
+    if schedule == "adaptive":
+        draft_seconds = prior.draft_seconds_per_token if prior is not None and not free_drafts else None
+        if num_draft_tokens is None:
+            num_draft_tokens = max_num_draft_tokens if free_drafts else 4
+        return CostAwareDraftLength(
+            num_draft_tokens=num_draft_tokens,
+            max_num_draft_tokens=max_num_draft_tokens,
+            measure_plain_step=not free_drafts,
+            prior=prior,
+            draft_seconds_per_token=draft_seconds,
+        )
+    if schedule == "heuristic":
+        first = HeuristicDraftLength.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        return HeuristicDraftLength(num_draft_tokens=first, max_num_draft_tokens=max_num_draft_tokens)
+    raise ValueError(
+        f"num_draft_tokens_schedule must be one of {', '.join(NUM_DRAFT_TOKENS_SCHEDULES)}, got {schedule!r}"
+    )

@@ -55,6 +55,7 @@ class DraftModelDrafter:
 
     name = "draft"
     needs_hidden_states = False
+    hidden_layers: tuple[int, ...] | None = None
 
     def __init__(
         self,
@@ -147,13 +148,13 @@ class DraftModelDrafter:
         return logits, self._sub_ids
 
     @torch.inference_mode()
-    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
-        if max_tokens <= 0:
+    def propose(self, context: Sequence[int], num_draft_tokens: int) -> Proposal:
+        if num_draft_tokens <= 0:
             return Proposal()
         feed, catch_up_seconds = catch_up(self.lm, self._sync(context))
         tokens: list[int] = []
         prob_rows: list[torch.Tensor] = []
-        for step in range(max_tokens):
+        for step in range(num_draft_tokens):
             logits, id_map = self._logits(feed)
             if self.sampling.greedy:
                 choice = int(logits.argmax().item())
@@ -169,7 +170,7 @@ class DraftModelDrafter:
                 prob_rows.append(to_target_vocab(probs, id_map, self.target_vocab_size))
             token = choice if id_map is None else int(id_map[choice])
             tokens.append(token)
-            if step + 1 < max_tokens:
+            if step + 1 < num_draft_tokens:
                 feed = torch.tensor([token], dtype=torch.long, device=self.lm.device)
                 self._cached_ids.append(token)
         draft_probs = torch.stack(prob_rows) if prob_rows else None

@@ -40,7 +40,7 @@ from .base import (
     tree_verify_cost,
 )
 from .draft_length import TreeSizer, lean_low
-from .ngram import LookupBranch
+from .ngram import LookupBranch, NgramOptions
 
 logger = logging.getLogger(__name__)
 
@@ -318,18 +318,16 @@ class EagleDrafter:
 
 
 @dataclass(frozen=True)
-class EagleOptions:
+class EagleOptions(NgramOptions):
     """``eagle_head``: a head folder (any of the three layouts) or Hub id; None: the head shipped for the target.
-    ``eagle_lookup``: the greedy tree also holds prompt lookup's continuation as one more branch (the n-gram
-    settings ``ngram_min``, ``ngram_max``, ``ngram_prefer`` choose it, as in the ``ngram`` mode)."""
+    ``eagle_lookup``: the greedy tree also holds prompt lookup's continuation as one more branch (chosen by the
+    n-gram settings it inherits, as in the ``ngram`` mode)."""
 
     eagle_head: str | None = None
     eagle_lookup: bool = True
-    ngram_min: int = 1
-    ngram_max: int = 4
-    ngram_prefer: str = "follow"
 
     def validate(self) -> None:
+        super().validate()
         if self.eagle_head is not None and not str(self.eagle_head).strip():
             raise InputError("the EAGLE head is empty: name a folder or Hub id, or leave it out", field="eagle_head")
 

@@ -50,6 +50,7 @@ class MedusaDrafter:
 
     name = "medusa"
     needs_hidden_states = True
+    hidden_layers: tuple[int, ...] | None = None
 
     def __init__(
         self,

@@ -75,12 +75,12 @@ class NgramIndex:
         self._indexed_ends = max(self._indexed_ends, len(tokens) - 1)
         return restarted
 
-    def find(self, max_tokens: int, follow_from: int | None = None) -> tuple[list[int], int | None]:
+    def find(self, num_draft_tokens: int, follow_from: int | None = None) -> tuple[list[int], int | None]:
         """The continuation to copy and the end of the occurrence it follows (None when nothing matches)."""
-        tokens, source, _ = self.match(max_tokens, follow_from)
+        tokens, source, _ = self.match(num_draft_tokens, follow_from)
         return tokens, source
 
-    def match(self, max_tokens: int, follow_from: int | None = None) -> tuple[list[int], int | None, int]:
+    def match(self, num_draft_tokens: int, follow_from: int | None = None) -> tuple[list[int], int | None, int]:
         """As :meth:`find`, with the length of the n-gram matched (0 when nothing matches)."""
         tokens = self.tokens
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
@@ -95,17 +95,17 @@ class NgramIndex:
             elif after < len(ends):
                 source = ends[after]
             else:
-                source = self._recent(ends, max_tokens)
-            return tokens[source + 1 : source + 1 + max_tokens], source, n
+                source = self._recent(ends, num_draft_tokens)
+            return tokens[source + 1 : source + 1 + num_draft_tokens], source, n
         return [], None, 0
 
-    def copy(self, max_tokens: int) -> tuple[list[int], int]:
-        """The continuation to draft (at most ``max_tokens`` tokens, following the last accepted copy) and the
+    def copy(self, num_draft_tokens: int) -> tuple[list[int], int]:
+        """The continuation to draft (at most ``num_draft_tokens`` tokens, following the last accepted copy) and the
         length of the n-gram matched; where it came from is kept for :meth:`follow`."""
-        if max_tokens <= 0:
+        if num_draft_tokens <= 0:
             self._copied_from = None
             return [], 0
-        tokens, self._copied_from, matched = self.match(max_tokens, self.follow_from)
+        tokens, self._copied_from, matched = self.match(num_draft_tokens, self.follow_from)
         return tokens, matched
 
     def follow(self, accepted: int) -> None:
@@ -115,13 +115,13 @@ class NgramIndex:
             self.follow_from = self._copied_from + accepted
         self._copied_from = None
 
-    def lookup(self, max_tokens: int) -> list[int]:
+    def lookup(self, num_draft_tokens: int) -> list[int]:
         """Continuation of the longest suffix n-gram that occurred before (see the class for which occurrence)."""
-        return self.find(max_tokens)[0]
+        return self.find(num_draft_tokens)[0]
 
-    def _recent(self, ends: list[int], max_tokens: int) -> int:
+    def _recent(self, ends: list[int], num_draft_tokens: int) -> int:
         latest = ends[-1]
-        if len(ends) > 1 and len(self.tokens) - 1 - latest < max_tokens:
+        if len(ends) > 1 and len(self.tokens) - 1 - latest < num_draft_tokens:
             # the latest occurrence runs into the suffix: the one before it has a longer continuation
             return ends[-2]
         return latest
@@ -132,6 +132,7 @@ class NgramDrafter:
 
     name = "ngram"
     needs_hidden_states = False
+    hidden_layers: tuple[int, ...] | None = None
 
     def __init__(self, min_n: int = 1, max_n: int = 4, prefer: str = "follow") -> None:
         self.index = NgramIndex(min_n, max_n, prefer)
@@ -139,10 +140,10 @@ class NgramDrafter:
     def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
         self.index.reset()
 
-    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
-        if max_tokens > 0:
+    def propose(self, context: Sequence[int], num_draft_tokens: int) -> Proposal:
+        if num_draft_tokens > 0:
             self.index.extend(context)
-        tokens, _ = self.index.copy(max_tokens)
+        tokens, _ = self.index.copy(num_draft_tokens)
         return Proposal(tokens, None)
 
     def feedback(self, result: RoundResult) -> None:
@@ -191,13 +192,13 @@ class LookupBranch:
         bucket = _match_bucket(matched)
         return [a / t for a, t in zip(self._accepted[bucket], self._tested[bucket])]
 
-    def propose(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
-        """The branch after ``context`` (at most ``max_tokens`` tokens) and each token's path probability; the
+    def propose(self, context: Sequence[int], num_draft_tokens: int) -> tuple[list[int], list[float]]:
+        """The branch after ``context`` (at most ``num_draft_tokens`` tokens) and each token's path probability; the
         branches proposed before are scored against ``context`` first."""
         if self.index.extend(context):
             self._open = []
         self._score(self.index.tokens)
-        self._tokens, matched = self.index.copy(max_tokens)
+        self._tokens, matched = self.index.copy(num_draft_tokens)
         if self._tokens:
             self._open.append((len(self.index.tokens), list(self._tokens), _match_bucket(matched)))
         rates, probs, prob = self.rates(matched), [], 1.0

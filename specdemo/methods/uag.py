@@ -172,6 +172,7 @@ class UniversalDrafter:
 
     name = "uag"
     needs_hidden_states = False
+    hidden_layers: tuple[int, ...] | None = None
 
     def __init__(
         self,
@@ -276,8 +277,8 @@ class UniversalDrafter:
         return self._head(hidden.unsqueeze(0))[0]
 
     @torch.inference_mode()
-    def propose(self, context: Sequence[int], max_tokens: int) -> Proposal:
-        if max_tokens <= 0:
+    def propose(self, context: Sequence[int], num_draft_tokens: int) -> Proposal:
+        if num_draft_tokens <= 0:
             return Proposal()
         started = now(self.lm.device)
         if not self._sync_text(context) or not self.stream:
@@ -287,13 +288,13 @@ class UniversalDrafter:
         feed, pass_seconds = catch_up(self.lm, feed)
         catch_up_seconds = synced - started + pass_seconds  # the text sync too grows with the text behind
         if self.shared is not None:
-            return replace(self._propose_shared(feed, max_tokens), catch_up_seconds=catch_up_seconds)
+            return replace(self._propose_shared(feed, num_draft_tokens), catch_up_seconds=catch_up_seconds)
         drafted: list[int] = []
         # k draft steps for k target tokens: the draft's pieces are shorter than the target's as often as not, and
         # its last piece is proposed as it stands. An extra step so that the last word comes out whole (a token the
         # target might extend further dropped) doubled the cost of a one-token draft for no gain in acceptance
         # (measured: 43 of 79 accepted either way on chat-03, drafting 58 against 31 ms a round)
-        for step in range(max_tokens):
+        for step in range(num_draft_tokens):
             logits = self._next_logits(feed)
             if self.sampling.greedy:
                 token = int(logits.argmax().item())
@@ -301,7 +302,7 @@ class UniversalDrafter:
                 probs = target_distribution(logits, self.sampling)
                 token = int(torch.multinomial(probs, 1, generator=self.generator).item())
             drafted.append(token)
-            if token in self.draft_eos_ids or step == max_tokens - 1:
+            if token in self.draft_eos_ids or step == num_draft_tokens - 1:
                 break
             feed = torch.tensor([token], dtype=torch.long, device=self.lm.device)
             self._cached.append(token)
@@ -311,21 +312,21 @@ class UniversalDrafter:
             return Proposal(catch_up_seconds=catch_up_seconds)
         draft_text = draft_text.rstrip(_REPLACEMENT)
         tokens = to_target_tokens(self.target_tokenizer, context, draft_text)
-        return Proposal(tokens[:max_tokens], None, catch_up_seconds)
+        return Proposal(tokens[:num_draft_tokens], None, catch_up_seconds)
 
-    def _propose_shared(self, feed: torch.Tensor, max_tokens: int) -> Proposal:
+    def _propose_shared(self, feed: torch.Tensor, num_draft_tokens: int) -> Proposal:
         """Sample k draft tokens from the shared vocabulary; each is one target token, with its probability row."""
         assert self.shared is not None
         allowed, to_target = self.shared
         target_ids: list[int] = []
         rows: list[torch.Tensor] = []
-        for step in range(max_tokens):
+        for step in range(num_draft_tokens):
             logits = self._next_logits(feed)
             draft_probs = target_distribution(logits.float().masked_fill(~allowed, float("-inf")), self.sampling)
             token = int(torch.multinomial(draft_probs, 1, generator=self.generator).item())
             target_ids.append(int(to_target[token]))
             rows.append(draft_probs)
-            if step == max_tokens - 1:
+            if step == num_draft_tokens - 1:
                 break
             feed = torch.tensor([token], dtype=torch.long, device=self.lm.device)
             self._cached.append(token)

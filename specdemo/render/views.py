@@ -266,12 +266,21 @@ def race_title(settings: RaceSettings) -> str:
     return f"{pair}{settings.target} + {helper} · {settings.mode} mode · {settings.hardware}"
 
 
+def draft_length_text(settings: RaceSettings) -> str:
+    """The draft length raced, in words: "4" (fixed), "adaptive (≤ 12)", "heuristic from 3 (≤ 12)"."""
+    if settings.num_draft_tokens_schedule == "fixed":
+        return str(settings.num_draft_tokens)
+    start = "" if settings.num_draft_tokens is None else f" from {settings.num_draft_tokens}"
+    cap = "" if settings.max_num_draft_tokens is None else f" (≤ {settings.max_num_draft_tokens})"
+    return f"{settings.num_draft_tokens_schedule}{start}{cap}"
+
+
 def race_details(settings: RaceSettings) -> str:
     """The settings behind the race, in one line."""
     sampling = "greedy" if settings.greedy else f"temperature {settings.temperature:g}, top-p {settings.top_p:g}"
     seed = f", seed {settings.seed}" if settings.seed is not None and not settings.greedy else ""
     return (
-        f"{settings.max_new_tokens} new tokens max · draft tokens {settings.num_draft_tokens} · {sampling}{seed} · "
+        f"{settings.max_new_tokens} new tokens max · draft tokens {draft_length_text(settings)} · {sampling}{seed} · "
         f"{settings.dtype} on {settings.device} · prompt {settings.prompt_tokens} tokens"
     )
 

@@ -142,10 +142,10 @@ def _draft_step_seconds(
     budget_seconds: float,
     generator: torch.Generator,
     prefix_tokens: int = 128,
-    draft_length: int = 4,
+    num_draft_tokens: int = 4,
 ) -> float:
     """Median seconds per drafted token. A draft sharing the target's tokenizer is timed through the draft-model
-    drafter itself (its int8 copy and restricted head, as a race runs it), drafting ``draft_length`` tokens after
+    drafter itself (its int8 copy and restricted head, as a race runs it), drafting ``num_draft_tokens`` tokens after
     a prefix it has caught up on; any other draft (uag) is timed as one step of the model."""
     from ..backends.int8 import int8_copy
     from ..backends.loading import same_tokenizer
@@ -158,13 +158,13 @@ def _draft_step_seconds(
         prefix = torch.randint(0, vocab_size, (prefix_tokens,), generator=generator).tolist()
         drafter = DraftModelDrafter(draft.model, SamplingSettings(), target_vocab_size=vocab_size, int8=draft_int8)
         drafter.start(prefix)
-        drafter.propose(prefix, draft_length)  # catching up on the prefix is no draft step
+        drafter.propose(prefix, num_draft_tokens)  # catching up on the prefix is no draft step
         per_token: list[float] = []
         started = time.perf_counter()
         while len(per_token) < repeats and (len(per_token) < 2 or time.perf_counter() - started < budget_seconds):
             begin = now(draft.device)
-            drafter.propose(prefix, draft_length)  # the same context: the drafts are rolled back and made again
-            per_token.append((now(draft.device) - begin) / draft_length)
+            drafter.propose(prefix, num_draft_tokens)  # the same context: the drafts are rolled back and made again
+            per_token.append((now(draft.device) - begin) / num_draft_tokens)
         return statistics.median(per_token)
     model = draft.model
     if draft_int8 or (draft_int8 is None and draft.device.type == "cpu"):

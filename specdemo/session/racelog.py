@@ -132,7 +132,8 @@ class RaceSettings:
     target: str
     draft: str | None
     mode: str
-    num_draft_tokens: str | int
+    num_draft_tokens_schedule: str  # "fixed", "adaptive" or "heuristic"
+    num_draft_tokens: int | None  # fixed: every round's draft; else the first round's (None: the schedule's own)
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -145,7 +146,7 @@ class RaceSettings:
     chat: bool = True
     pair: str | None = None  # the preset raced (None: custom models)
     method_label: str = ""  # what drafts, in words (see specdemo.methods)
-    max_num_draft_tokens: int | None = None  # the most an adaptive policy drafts in a round (None: not recorded)
+    max_num_draft_tokens: int | None = None  # the adaptive and heuristic schedules' cap (None: not recorded)
     #: what the mode records about its own parts, by mode, as the bench's ``methods`` (for example the EAGLE
     #: head's format); None: the mode records nothing, or the log predates the field
     methods: dict[str, dict[str, Any]] | None = None
@@ -265,14 +266,24 @@ def _methods(value: Any, name: str) -> dict[str, dict[str, Any]]:
     return {mode: dict(facts) for mode, facts in methods.items()}
 
 
-def _settings(raw: Any) -> RaceSettings:
-    """The race's settings, each checked for type and range; fields this version does not know are ignored."""
-    raw = dict(_object(raw, "settings"))
+def _draft_length(raw: dict[str, Any]) -> dict[str, Any]:
+    """Settings written before the draft length's schedule had its own field, in today's: their
+    ``num_draft_tokens`` (once ``draft_tokens``) was "adaptive" or "heuristic" (that schedule from its own start) or
+    a whole number k (fixed)."""
     if "draft_tokens" in raw:  # logs written before the setting had its one name
         raw.setdefault("num_draft_tokens", raw.pop("draft_tokens"))
+    if "num_draft_tokens_schedule" not in raw and "num_draft_tokens" in raw:
+        value = raw["num_draft_tokens"]
+        if isinstance(value, str):
+            raw["num_draft_tokens_schedule"], raw["num_draft_tokens"] = value, None
+        else:
+            raw["num_draft_tokens_schedule"] = "fixed"
+    return raw
 
-    def draft_tokens(value: Any, name: str) -> str | int:
-        return _text(value, name, 32) if isinstance(value, str) else _whole(value, name, 1, MAX_NUM_DRAFT_TOKENS)
+
+def _settings(raw: Any) -> RaceSettings:
+    """The race's settings, each checked for type and range; fields this version does not know are ignored."""
+    raw = _draft_length(dict(_object(raw, "settings")))
 
     def flag(value: Any, name: str) -> bool:
         if not isinstance(value, bool):
@@ -285,7 +296,8 @@ def _settings(raw: Any) -> RaceSettings:
         "prompt": lambda v, n: _text(v, n, MAX_PROMPT_CHARS),
         "prompt_tokens": lambda v, n: _whole(v, n, 0, MAX_PROMPT_CHARS),
         "max_new_tokens": lambda v, n: _whole(v, n, 1, MAX_NEW_TOKENS),
-        "num_draft_tokens": draft_tokens,
+        "num_draft_tokens_schedule": lambda v, n: _text(v, n, 32),
+        "num_draft_tokens": lambda v, n: _maybe(v, _whole, n, 1, MAX_NUM_DRAFT_TOKENS),
         "max_num_draft_tokens": lambda v, n: _maybe(v, _whole, n, 1, MAX_NUM_DRAFT_TOKENS),
         "temperature": lambda v, n: _real(v, n, 0.0, 100.0),
         "top_p": lambda v, n: _real(v, n, 0.0, 1.0),
@@ -294,6 +306,8 @@ def _settings(raw: Any) -> RaceSettings:
         "methods": lambda v, n: _maybe(v, _methods, n),
     }
     values = {f.name: checks[f.name](raw[f.name], f"settings.{f.name}") for f in fields(RaceSettings) if f.name in raw}
+    if values.get("num_draft_tokens_schedule") == "fixed" and values.get("num_draft_tokens") is None:
+        raise ValueError("settings.num_draft_tokens must be a whole number with the fixed schedule, not null")
     try:
         return RaceSettings(**values)
     except TypeError as error:  # a required field missing
@@ -341,17 +355,15 @@ class RaceLog:
         ids: list[int] = []
         pieces: list[str] = []
         for logged in self.rounds(side):
-            if logged.index == 0:
-                counters.prefill_seconds += logged.verify_seconds
-                counters.target_passes += 1
-            else:
-                counters.draft_seconds += logged.draft_seconds
-                sources = [t.source for t in logged.tokens if t.kind == ACCEPTED and t.source is not None]
-                counters.record_round(logged.drafted, logged.accepted, logged.accepted + 1, logged.depth, sources,
-                                      logged.verify_seconds)
             ids.extend(t.id for t in logged.tokens)
             pieces.extend(t.text for t in logged.tokens)
-            counters.new_tokens = len(ids)
+            if logged.index == 0:
+                counters.observe_prefill(logged.verify_seconds, len(ids))
+            else:
+                sources = [t.source for t in logged.tokens if t.kind == ACCEPTED and t.source is not None]
+                counters.observe(logged.drafted, logged.accepted, new_tokens=len(ids), depth=logged.depth,
+                                 sources=sources, draft_seconds=logged.draft_seconds,
+                                 verify_seconds=logged.verify_seconds)
             finished = logged.finish_reason is not None
             yield RoundEvent(
                 side,

@@ -11,6 +11,7 @@ front end takes the same values within the same limits.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,7 @@ from ..backends.offline import is_offline_source
 from ..core.errors import InputError, first_line
 from ..core.settings import MAX_NEW_TOKENS, GenerationSettings, SamplingSettings
 from ..methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, get_method
+from ..methods.draft_length import NUM_DRAFT_TOKENS_SCHEDULES
 from .config import SessionConfig
 from .presets import PairPreset, preset_eagle_head
 
@@ -44,7 +46,8 @@ class RaceRequest:
     target: str = ""
     draft: str = ""
     mode: str = "draft"
-    num_draft_tokens: str | int = "adaptive"
+    num_draft_tokens_schedule: str | None = None  # None or empty: "fixed" when num_draft_tokens is given, else adaptive
+    num_draft_tokens: Any = None
     max_new_tokens: Any = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -85,23 +88,39 @@ def _blame(name: str) -> Iterator[None]:
 # parsers (shared with the bench)
 
 
-def parse_num_draft_tokens(value: str | int | None) -> str | int:
-    """``"adaptive"``, ``"heuristic"`` or a whole number k from 1 to :data:`~specdemo.methods.MAX_NUM_DRAFT_TOKENS`."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return "adaptive"
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("adaptive", "heuristic"):
-            return text
-        if text.lstrip("-").isdigit():
-            value = int(text)
-        else:
-            raise InputError(f"draft tokens must be 'adaptive', 'heuristic' or a number, got {value!r}")
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_NUM_DRAFT_TOKENS:
-        raise InputError(f"draft tokens must be between 1 and {MAX_NUM_DRAFT_TOKENS} (or adaptive), got {value!r}")
-    return value
+def _blank(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
+def parse_draft_length(schedule: Any, num_draft_tokens: Any) -> tuple[str, int | None]:
+    """(``num_draft_tokens_schedule``, ``num_draft_tokens``) of a request: the schedule one of
+    :data:`~specdemo.methods.draft_length.NUM_DRAFT_TOKENS_SCHEDULES` (empty: "fixed" when a number is given, else
+    "adaptive"), the number a whole number from 1 to :data:`~specdemo.methods.MAX_NUM_DRAFT_TOKENS` or None (empty:
+    the schedule's own start). InputError naming the setting at fault otherwise."""
+    count = None
+    if not _blank(num_draft_tokens):
+        text = num_draft_tokens.strip().lower() if isinstance(num_draft_tokens, str) else None
+        if text in NUM_DRAFT_TOKENS_SCHEDULES:
+            raise InputError(f"num_draft_tokens is a number of tokens; {text!r} is a schedule: give it as "
+                             "num_draft_tokens_schedule", field="num_draft_tokens")
+        try:
+            number = math.nan if isinstance(num_draft_tokens, bool) else float(num_draft_tokens)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not number.is_integer() or not 1 <= number <= MAX_NUM_DRAFT_TOKENS:
+            raise InputError(f"num_draft_tokens must be a whole number from 1 to {MAX_NUM_DRAFT_TOKENS}, got "
+                             f"{num_draft_tokens!r}", field="num_draft_tokens")
+        count = int(number)
+    if _blank(schedule):
+        return ("adaptive" if count is None else "fixed"), count
+    name = schedule.strip().lower() if isinstance(schedule, str) else schedule
+    if name not in NUM_DRAFT_TOKENS_SCHEDULES:
+        raise InputError(f"num_draft_tokens_schedule must be one of {', '.join(NUM_DRAFT_TOKENS_SCHEDULES)}, got "
+                         f"{schedule!r}", field="num_draft_tokens_schedule")
+    if name == "fixed" and count is None:
+        raise InputError("num_draft_tokens_schedule 'fixed' needs num_draft_tokens, the tokens drafted every round "
+                         f"(1 to {MAX_NUM_DRAFT_TOKENS})", field="num_draft_tokens")
+    return name, count
 
 
 def parse_max_new_tokens(value: Any, limit: int = MAX_NEW_TOKENS) -> int:
@@ -239,8 +258,9 @@ def check_request(request: RaceRequest, config: SessionConfig) -> Checked:
     with _blame("mode"):
         get_method(request.mode)
     with _blame("num_draft_tokens"):
+        schedule, num_draft_tokens = parse_draft_length(request.num_draft_tokens_schedule, request.num_draft_tokens)
         spec = SpecSettings(
-            mode=request.mode, num_draft_tokens=parse_num_draft_tokens(request.num_draft_tokens),
+            mode=request.mode, num_draft_tokens_schedule=schedule, num_draft_tokens=num_draft_tokens,
             medusa_heads=config.medusa_heads,
             eagle_head=config.eagle_head,
         )

@@ -175,6 +175,7 @@ def result_dict(
                 "target": settings.target,
                 "draft": settings.draft,
                 "mode": settings.mode,
+                "num_draft_tokens_schedule": settings.num_draft_tokens_schedule,
                 "num_draft_tokens": settings.num_draft_tokens,
                 "max_num_draft_tokens": settings.max_num_draft_tokens,
                 "max_new_tokens": settings.max_new_tokens,
