@@ -356,7 +356,7 @@ class CostAwareDraftLength:
 class TreeBudget(CostAwareDraftLength):
     """A node budget for token trees: always ``max_num_draft_tokens`` nodes at most, and the verify cost model of the
     adaptive policy (measured passes fitted on top of the calibrated curve) for the drafter, which sizes each tree
-    itself from its candidates' probabilities (see :class:`specdemo.methods.medusa.MedusaDrafter`)."""
+    itself from its candidates' probabilities through :class:`TreeSizer`."""
 
     def next_num_draft_tokens(self, remaining: int | None = None) -> int:
         self._rounds += 1
