@@ -329,6 +329,15 @@ def _more_settings(config: AppConfig) -> MoreSettings:
     return MoreSettings(target, draft, temperature, top_p, seed, dtype, quantization, chat)
 
 
+def _pane(side: str, title: str, sub: str) -> tuple[gr.HTML, gr.HTML]:
+    """One side's column: its stats above the box its tokens stream into."""
+    with gr.Column():
+        stats = gr.HTML(pane_stats_html(PaneState(side), title, sub, running=False), elem_id=f"{side}-stats")
+        output = gr.HTML("", html_template="<div class='tok-box'>${value}</div>", elem_id=f"{side}-output",
+                         max_height=520, autoscroll=True)
+    return stats, output
+
+
 def _race_panel() -> RacePanel:
     """The legend with the rejected-drafts switch, the two panes under their stats, the figures, the status."""
     (plain_title, plain_sub), (spec_title, spec_sub) = pane_titles(None)
@@ -337,22 +346,8 @@ def _race_panel() -> RacePanel:
         show_rejected = gr.Checkbox(value=False, label="Show rejected drafts (struck through)", scale=0,
                                     min_width=260, elem_id="show-rejected")
     with gr.Row(equal_height=False):
-        with gr.Column():
-            plain_stats = gr.HTML(
-                pane_stats_html(PaneState("plain"), plain_title, plain_sub, running=False), elem_id="plain-stats"
-            )
-            plain_output = gr.HTML(
-                "", html_template="<div class='tok-box'>${value}</div>", elem_id="plain-output",
-                max_height=520, autoscroll=True,
-            )
-        with gr.Column():
-            spec_stats = gr.HTML(
-                pane_stats_html(PaneState("spec"), spec_title, spec_sub, running=False), elem_id="spec-stats"
-            )
-            spec_output = gr.HTML(
-                "", html_template="<div class='tok-box'>${value}</div>", elem_id="spec-output",
-                max_height=520, autoscroll=True,
-            )
+        plain_stats, plain_output = _pane("plain", plain_title, plain_sub)
+        spec_stats, spec_output = _pane("spec", spec_title, spec_sub)
     with gr.Row(equal_height=True):
         with gr.Column(scale=1, min_width=200):
             speedup = gr.HTML(speedup_html(None), elem_id="speedup")

@@ -36,6 +36,7 @@ from .eagle3_head import (
 )
 from .formats import INT8, W8A8, output_rows, output_weight, w8a8_kernel_available
 from .loading import LoadedModel
+from .offline import OFFLINE_MODELS, is_offline_source, offline_name, shipped_for
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,6 @@ def target_facts(target: LoadedModel) -> TargetFacts:
     model = target.model
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     names = [target.source, str(getattr(model.config, "_name_or_path", "") or "")]
-    from .offline import OFFLINE_MODELS, is_offline_source, offline_name
-
     if is_offline_source(target.source) and offline_name(target.source) in OFFLINE_MODELS:
         names.append(OFFLINE_MODELS[offline_name(target.source)].description.split(",")[0])  # its Hub name
     architectures = tuple(getattr(model.config, "architectures", None) or ()) + (type(model).__name__,)
@@ -371,15 +370,6 @@ def save_head(
     return file_sha256(weights)
 
 
-def shipped_head_for(target_source: str) -> tuple[Path, str] | None:
-    """(folder, sha256) of the head shipped with specdemo for this target (an offline-pack name), or None."""
-    from .offline import is_offline_source, offline_name
-
-    if not is_offline_source(target_source):
-        return None
-    return SHIPPED_HEADS.get(offline_name(target_source))
-
-
 #: heads loaded per target model (freed with it), by source
 _HEADS: "weakref.WeakKeyDictionary[nn.Module, dict[str, EagleHead]]" = weakref.WeakKeyDictionary()
 
@@ -390,7 +380,7 @@ def head_for(target: LoadedModel, source: str | None = None) -> EagleHead:
     offline target (sha256-checked); InputError with one line when there is none or it misfits."""
     expected_sha256 = None
     if source is None:
-        shipped = shipped_head_for(target.source)
+        shipped = shipped_for(SHIPPED_HEADS, target.source)
         if shipped is None:
             raise InputError(
                 f"no EAGLE head ships for {target.source} yet: name one with --eagle-head PATH, or train one with "

@@ -14,6 +14,7 @@ from ..core.errors import InputError
 from ..core.files import file_sha256
 from .loading import LoadedModel
 from .medusa_heads import WEIGHTS_NAMES, MedusaConfig, MedusaHeads
+from .offline import shipped_for
 
 logger = logging.getLogger(__name__)
 
@@ -126,15 +127,6 @@ def load_heads(
     return heads
 
 
-def shipped_heads_for(target_source: str) -> tuple[Path, str] | None:
-    """(folder, sha256) of the heads shipped with specdemo for this target (an offline-pack name), or None."""
-    from .offline import is_offline_source, offline_name
-
-    if not is_offline_source(target_source):
-        return None
-    return SHIPPED_HEADS.get(offline_name(target_source))
-
-
 #: Medusa heads loaded per target model (freed with it), by source folder
 _HEADS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, MedusaHeads]]" = weakref.WeakKeyDictionary()
 
@@ -144,7 +136,7 @@ def heads_for(target: LoadedModel, source: str | None = None) -> MedusaHeads:
     shipped for an offline target (sha256-checked); InputError with one line when there are none or they misfit."""
     expected_sha256 = None
     if source is None:
-        shipped = shipped_heads_for(target.source)
+        shipped = shipped_for(SHIPPED_HEADS, target.source)
         if shipped is None:
             raise InputError(
                 f"no Medusa heads ship for {target.source}: name a heads folder (--medusa-heads PATH), or use "

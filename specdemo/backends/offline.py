@@ -18,14 +18,16 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
 from ..core.files import hash_files, relax_mode, write_json_atomic
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +139,12 @@ def offline_name(source_or_name: str) -> str:
     if text.lower().startswith(OFFLINE_PREFIX):
         text = text[len(OFFLINE_PREFIX) :]
     return text.strip().lower()
+
+
+def shipped_for(table: Mapping[str, T], source: str) -> T | None:
+    """What ``table`` (keyed by offline-pack name, such as the heads shipped with specdemo) holds for the target
+    ``source``, or None: for an offline target only."""
+    return table.get(offline_name(source)) if is_offline_source(source) else None
 
 
 def get_offline_model(name: str) -> OfflineModel:
