@@ -109,6 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--eagle-lookup", choices=["on", "off"], default="on", help="the eagle mode's tree also holds prompt lookup's "
         "continuation as one more branch (the --ngram-* settings choose it); off: the head's candidates alone",
     )
+    parser.add_argument(
+        "--suffix-memory", choices=["on", "off"], default="on", help="the suffix mode drafts from the answers of the "
+        "prompts before too (the prompts run in file order, each answer remembered after its runs); off: from each "
+        "prompt's own text alone",
+    )
+    parser.add_argument("--suffix-factor", type=float, default=SpecSettings.suffix_factor,
+                        help="suffix trees draft at most this many tokens per token of context they matched")
+    parser.add_argument("--suffix-min-token-prob", type=float, default=SpecSettings.suffix_min_token_prob,
+                        help="suffix trees draft no token whose estimated probability is below this")
+    parser.add_argument(
+        "--passes", type=int, default=1, help="race the prompt set this many times in a row (1 to 4): with "
+        "--suffix-memory on, later passes draft from the answers of earlier ones; the report gains by_pass",
+    )
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -223,6 +236,8 @@ def _spec_settings(
         medusa_heads=args.medusa_heads,
         eagle_head=eagle_head,
         eagle_lookup=args.eagle_lookup == "on",
+        suffix_factor=args.suffix_factor,
+        suffix_min_token_prob=args.suffix_min_token_prob,
     )
     spec.validate()
     return spec
@@ -235,6 +250,8 @@ def _read_request(args: argparse.Namespace) -> _Request:
     draft_length = _draft_length(args)
     if args.warmup < 0 or args.repeats < 1:
         raise InputError("--warmup must be >= 0 and --repeats >= 1")
+    if not 1 <= args.passes <= 4:
+        raise InputError(f"--passes must be from 1 to 4, got {args.passes}")
     target, draft, eagle_head = _sources(args)
     needs_draft = any(needs_draft_model(m) and not (drafts_with_other_tokenizer(m) and args.uag_draft) for m in modes)
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
@@ -293,6 +310,8 @@ def _bench_config(args: argparse.Namespace, request: _Request, target: LoadedMod
         limit=args.limit,
         per_category=args.per_category,
         categories=request.categories,
+        suffix_memory=args.suffix_memory == "on",
+        passes=args.passes,
         draft_settings={
             k: v for k, v in asdict(spec).items()
             if k not in ("mode", "num_draft_tokens_schedule", "num_draft_tokens", "max_num_draft_tokens")
@@ -327,6 +346,11 @@ def _complete_report(report: dict, curve: CostCurve | None, request: _Request, m
 def _write(report: dict, json_path: Path | None, plot_path: Path | None) -> None:
     """Print the table and the verify costs; write the JSON and the chart where asked."""
     print(format_table(report["summary"], report["by_category"]))
+    if report.get("by_pass"):
+        print(format_table(report["summary"], report["by_pass"]))
+    if report.get("suffix_memory"):
+        memory = report["suffix_memory"]
+        print(f"suffix memory at the end: {memory['answers']} answers, {memory['tokens']} tokens")
     verify_costs = format_verify_costs(report["summary"], report.get("calibration"))
     if verify_costs:
         print(verify_costs)

@@ -15,6 +15,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .backends.loading import LoadedModel
+from .backends.suffix_trees import SuffixMemory
 from .bench_report import aggregate, environment
 from .core.clock import now
 from .core.economics import CostCurve
@@ -71,6 +72,10 @@ class BenchConfig:
     per_category: int | None = None
     categories: list[str] | None = None
     uag_draft: str | None = None
+    #: the suffix mode drafts from the answers of the prompts before (each prompt's answer is remembered after its
+    #: runs); off: from each prompt's own text alone
+    suffix_memory: bool = True
+    passes: int = 1  # the prompt set raced this many times in a row (later passes meet earlier answers again)
     draft_settings: dict[str, Any] = field(default_factory=dict)  # draft head, int8, n-gram sizes and rule, heads
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -111,8 +116,10 @@ def run_mode(
     lookup_tokens: int = 10,
     uag_draft: LoadedModel | None = None,
     calibration: CostCurve | None = None,
+    memory: SuffixMemory | None = None,
 ) -> ModeRun:
-    """One timed run of ``mode`` on ``prompt_ids``: plain decoding, one of the engine's modes, or a stock one."""
+    """One timed run of ``mode`` on ``prompt_ids``: plain decoding, one of the engine's modes, or a stock one;
+    ``memory``: the earlier answers a mode that drafts from them reads."""
     draft = mode_draft(mode, draft, uag_draft)
     if mode in STOCK_MODES:
         stock = run_stock(mode, target, draft, prompt_ids, settings, lookup_tokens)
@@ -124,7 +131,7 @@ def run_mode(
         final: RoundEvent = collect(plain_events(target, prompt_ids, settings))
     else:
         mode_spec = replace(spec, mode=mode)
-        final = collect(spec_events(target, draft, prompt_ids, settings, mode_spec, calibration))
+        final = collect(spec_events(target, draft, prompt_ids, settings, mode_spec, calibration, memory))
     seconds = now(target.device) - start
     return ModeRun(final.new_token_ids, final.text, seconds, final.counters)
 
@@ -162,6 +169,8 @@ class BenchRun:
     uag_draft: LoadedModel | None
     spec: SpecSettings
     calibration: CostCurve | None
+    #: the answers of the prompts timed so far, for the modes that draft from them (None: memory off or no such mode)
+    memory: SuffixMemory | None = None
 
     @property
     def sampling(self) -> SamplingSettings:
@@ -172,7 +181,7 @@ class BenchRun:
 
     def run(self, mode: str, prompt_ids: list[int], settings: GenerationSettings) -> ModeRun:
         return run_mode(mode, self.target, self.draft, prompt_ids, settings, self.spec, self.config.hf_lookup_tokens,
-                        self.uag_draft, self.calibration)
+                        self.uag_draft, self.calibration, self.memory if _drafts_from_memory(mode) else None)
 
     def encode(self, prompts: list[Prompt]) -> list[tuple[Prompt, list[int]]]:
         """Each prompt's token ids, checked against the target's limits (the error names the prompt)."""
@@ -242,17 +251,33 @@ class BenchRun:
         """The results entries of every mode on every prompt, and the engine's counters of each, by (prompt, mode)."""
         results: list[dict] = []
         counters: dict[tuple[str, str], Counters] = {}
-        total = len(encoded) * len(self.config.modes) * self.config.repeats
+        passes = self.config.passes
+        total = len(encoded) * len(self.config.modes) * self.config.repeats * passes
         bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
-        for index, (prompt, ids) in enumerate(encoded):
+        for index, (number, (prompt, ids)) in enumerate((n, p) for n in range(1, passes + 1) for p in encoded):
+            if number > 1:  # the same prompt again: its own entries
+                prompt = replace(prompt, id=f"{prompt.id}#{number}")
             runs = self.time_prompt(index, ids, bar)
             chosen = {mode: _median(mode_runs) for mode, mode_runs in runs.items()}
             for mode, run in chosen.items():
-                results.append(self.row(prompt, ids, mode, run, runs[mode], chosen.get("plain")))
+                results.append({**self.row(prompt, ids, mode, run, runs[mode], chosen.get("plain")), "pass": number})
                 if run.counters is not None:
                     counters[(prompt.id, mode)] = run.counters
+            self.remember(chosen)
         bar.close()
         return results, counters
+
+    def remember(self, chosen: dict[str, ModeRun]) -> None:
+        """After a prompt's runs: its answer into the memory (the first mode's that drafts from it), so the next
+        prompts, never this one, draft from it."""
+        answer = next((run for mode, run in chosen.items() if _drafts_from_memory(mode)), None)
+        if self.memory is not None and answer is not None:
+            self.memory.remember(answer.ids)
+
+
+def _drafts_from_memory(mode: str) -> bool:
+    """Whether ``mode`` drafts from the answers of earlier prompts."""
+    return mode in METHODS and METHODS[mode].drafts_from_memory
 
 
 def _median(runs: list[ModeRun]) -> ModeRun:
@@ -271,19 +296,29 @@ def run_benchmark(
     calibration: CostCurve | None = None,
 ) -> dict:
     """Encode the prompts, warm every mode up, time every mode on every prompt, and summarise: the report."""
-    bench = BenchRun(config, target, draft, uag_draft, spec, calibration)
+    memory = None
+    if config.suffix_memory and any(_drafts_from_memory(mode) for mode in config.modes):
+        memory = SuffixMemory()
+    bench = BenchRun(config, target, draft, uag_draft, spec, calibration, memory)
     encoded = bench.encode(prompts)
-    bench.warm(encoded[0][1])
+    bench.warm(encoded[0][1])  # before any answer is remembered
     results, counters = bench.run_prompts(encoded, progress)
     summary = aggregate(results, config.modes, counters)
     by_category: dict[str, dict[str, dict]] = {}
     for category in dict.fromkeys(p.category for p, _ in encoded):
         rows = [r for r in results if r["category"] == category]
         by_category[category] = aggregate(rows, config.modes, counters)
-    return {
+    report = {
         "config": asdict(config),
         "environment": environment(target),
         "results": results,
         "summary": summary,
         "by_category": by_category,
+        "suffix_memory": memory.describe() if memory is not None else None,  # what it held at the end
     }
+    if config.passes > 1:
+        report["by_pass"] = {
+            f"pass {number}": aggregate([r for r in results if r["pass"] == number], config.modes, counters)
+            for number in range(1, config.passes + 1)
+        }
+    return report

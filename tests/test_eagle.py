@@ -32,7 +32,8 @@ from specdemo.methods import (
 from specdemo.methods.draft_length import FixedDraftLength, TreeBudget, make_policy
 from specdemo.backends.eagle3_checkpoint import EagleLoadError, head_for, load_head, save_head, target_facts
 from specdemo.backends.eagle3_head import EagleConfig, EagleHead, default_hidden_layers
-from specdemo.methods.eagle import EagleDrafter, _best_path_first
+from specdemo.methods.eagle import EagleDrafter
+from specdemo.core.tree import best_path_first
 from specdemo.methods.medusa import MedusaDrafter
 from specdemo.methods.ngram import LookupBranch, NgramDrafter
 from specdemo.render.views import token_title
@@ -764,12 +765,13 @@ def test_a_tree_is_verified_best_path_first():
     """The proposed tree is in depth-first order with each node's children best first, so its best path comes
     first (those nodes read a prefix of the verify pass's keys); every parent still comes before its children."""
     ranked_parents = [-1, -1, 0, 0, 1, 2, 3, 2]  # best first: node i's parent ranks above it
-    order = _best_path_first(ranked_parents)
+    order, parents = best_path_first(ranked_parents)
+    assert parents == [-1, 0, 1, 1, 0, 4, -1, 6]  # renumbered in the new order
     assert sorted(order) == list(range(len(ranked_parents)))
     assert order == [0, 2, 5, 7, 3, 6, 1, 4]  # the best root, its best child, that one's best child, then the rest
     place = {node: index for index, node in enumerate(order)}
     assert all(parent < 0 or place[parent] < place[node] for node, parent in enumerate(ranked_parents))
-    assert _best_path_first([]) == [] and _best_path_first([-1, 0, 1]) == [0, 1, 2]
+    assert best_path_first([]) == ([], []) and best_path_first([-1, 0, 1]) == ([0, 1, 2], [-1, 0, 1])
 
 
 def test_a_branch_joins_a_tree_where_it_follows_it_and_grows_where_it_leaves():

@@ -15,6 +15,27 @@ logger = logging.getLogger(__name__)
 ACCEPTED, CORRECTED, BONUS, PLAIN, REJECTED = "accepted", "corrected", "bonus", "plain", "rejected"
 #: which part of a drafter proposed a draft token, where a drafter has several (EAGLE's head and its lookup branch)
 DRAFTED_BY_HEAD, DRAFTED_BY_LOOKUP, DRAFTED_BY_BOTH = "head", "lookup", "head+lookup"
+#: where a suffix-decoding draft token came from: the race's prompt, its own output so far, or an earlier race's
+#: answer (:func:`drafted_from_answer` names which; the counters add them up as :data:`EARLIER_ANSWER`)
+DRAFTED_FROM_PROMPT, DRAFTED_FROM_OUTPUT, EARLIER_ANSWER = "prompt", "output", "earlier answer"
+_ANSWER = "answer "
+
+
+def drafted_from_answer(number: int) -> str:
+    """The source of a draft token that came from the earlier answer numbered ``number``."""
+    return f"{_ANSWER}{number}"
+
+
+def answer_number(source: str | None) -> int | None:
+    """Which earlier answer a draft token's ``source`` names (None: it names none)."""
+    if source is None or not source.startswith(_ANSWER) or not source[len(_ANSWER) :].isdigit():
+        return None
+    return int(source[len(_ANSWER) :])
+
+
+def source_kind(source: str) -> str:
+    """A source as the counters add it up: every earlier answer as one (:data:`EARLIER_ANSWER`)."""
+    return EARLIER_ANSWER if answer_number(source) is not None else source
 
 
 @dataclass
@@ -94,14 +115,14 @@ class Counters:
         length), so ``num_accepted + 1`` tokens came from the pass; ``new_tokens``: the run's written tokens after
         it (None: not counted here); per-position counts go by ``depth`` (a chain's depth is its length);
         ``sources``: who drafted each accepted token written (an EOS inside the path cuts it), for a drafter with
-        several parts; ``draft_seconds`` and ``verify_seconds``: its drafting and its target pass."""
+        several parts (every earlier answer counted as one, :func:`source_kind`); ``draft_seconds`` and ``verify_seconds``: its drafting and its target pass."""
         depth = num_draft_tokens if depth is None else depth
         if new_tokens is not None:
             self.new_tokens = new_tokens
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
         self.verify_seconds_by_round.append(verify_seconds)
-        for source in sources:
+        for source in map(source_kind, sources):
             self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + 1
         self.rounds += 1
         self.target_passes += 1

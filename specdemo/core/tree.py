@@ -87,6 +87,24 @@ def build_tree(
     return tokens, parents, scores
 
 
+def best_path_first(parents: Sequence[int]) -> tuple[list[int], list[int]]:
+    """A tree given best first (``parents[i]`` < i, -1 for a root) in depth-first order, each node's children best
+    first: (the nodes in that order, their parents renumbered). The best path comes first, so its nodes read a
+    prefix of the verify pass's keys and share them (the other nodes' keys are gathered, see
+    :func:`~specdemo.backends.formats.row_wise_attention`)."""
+    children: dict[int, list[int]] = {-1: []}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    order: list[int] = []
+    stack = children[-1][::-1]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(children.get(node, [])[::-1])
+    place = {node: index for index, node in enumerate(order)}
+    return order, [place[parents[node]] if parents[node] >= 0 else -1 for node in order]
+
+
 @dataclass
 class MergedTree:
     """A tree of candidates joined with a branch from another source (see :func:`add_branch`), best first: each

@@ -19,14 +19,17 @@ from ..core.settings import MAX_NUM_DRAFT_TOKENS
 from .base import BuildContext, Method, PolicyContext
 from .draft_length import make_policy
 from .ngram import NgramOptions
+from .suffix import SuffixOptions
 
 if TYPE_CHECKING:
     from ..backends.loading import LoadedModel
+    from ..backends.suffix_trees import SuffixMemory
     from ..core.economics import CostCurve
     from ..core.settings import GenerationSettings
 
-#: the n-gram settings' defaults, declared once by the n-gram mode's options
+#: the n-gram settings' defaults, declared once by the n-gram mode's options (the suffix mode's likewise)
 _NGRAM = NgramOptions()
+_SUFFIX = SuffixOptions()
 #: the files of this folder that hold no method
 _NOT_METHODS = frozenset({"base", "draft_length"})
 
@@ -80,6 +83,8 @@ class SpecSettings:
     medusa_heads: str | None = None  # folder of Medusa heads; None = the heads shipped for the target
     eagle_head: str | None = None  # EAGLE-3 head: a folder or Hub id; None = the head shipped for the target
     eagle_lookup: bool = True  # the EAGLE tree also holds prompt lookup's continuation (greedy runs)
+    suffix_factor: float = _SUFFIX.suffix_factor  # suffix trees draft at most this many tokens per matched token
+    suffix_min_token_prob: float = _SUFFIX.suffix_min_token_prob  # ... none less likely than this
 
     @property
     def method(self) -> Method:
@@ -160,9 +165,11 @@ def make_drafter(
     draft: "LoadedModel | None",
     settings: "GenerationSettings",
     policy: DraftLengthPolicy | None = None,
+    memory: "SuffixMemory | None" = None,
 ) -> Drafter:
-    """The drafter of one speculative run (the pair checked first)."""
+    """The drafter of one speculative run (the pair checked first); ``memory``: the answers of earlier races, for
+    a mode that drafts from them (suffix decoding)."""
     spec.validate()
     check_pair(spec, target, draft)
-    return spec.method.build(BuildContext(target, draft, settings, spec.options(), policy))
+    return spec.method.build(BuildContext(target, draft, settings, spec.options(), policy, memory))
 

@@ -26,6 +26,7 @@ from .draft_length import TreeBudget, make_policy
 
 if TYPE_CHECKING:
     from ..backends.loading import LoadedModel
+    from ..backends.suffix_trees import SuffixMemory
     from ..core.economics import CostCurve
     from ..core.settings import GenerationSettings
 
@@ -74,14 +75,15 @@ def catch_up(lm: CachedLM, feed: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 @dataclass(frozen=True)
 class BuildContext:
-    """What building a drafter may use: the loaded pair, the run's settings, the method's options and the run's
-    draft-length policy."""
+    """What building a drafter may use: the loaded pair, the run's settings, the method's options, the run's
+    draft-length policy, and the answers of earlier races (None: no memory) for a drafter that drafts from them."""
 
     target: "LoadedModel"
     draft: "LoadedModel | None"
     settings: "GenerationSettings"
     options: Any
     policy: "DraftLengthPolicy | None" = None
+    memory: "SuffixMemory | None" = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,8 @@ class Method:
     samples_exactly: bool = True
     #: the drafter reads the target's hidden states from every pass
     needs_hidden_states: bool = False
+    #: the drafter drafts from the answers of earlier races too (:attr:`BuildContext.memory`)
+    drafts_from_memory: bool = False
     #: a calibration's draft-step cost (measured on the draft-model drafter) is this mode's drafting cost
     calibrated_draft_cost: bool = False
     check: "Callable[[LoadedModel, LoadedModel | None, Any], None] | None" = None

@@ -29,7 +29,7 @@ from ..core.errors import InputError
 from ..core.events import DRAFTED_BY_BOTH, DRAFTED_BY_HEAD, DRAFTED_BY_LOOKUP
 from ..core.protocol import DraftLengthPolicy, Proposal, RoundResult, TargetPass
 from ..core.settings import SamplingSettings
-from ..core.tree import add_branch
+from ..core.tree import add_branch, best_path_first
 from .base import (
     BuildContext,
     Method,
@@ -51,22 +51,6 @@ MAX_TREE_DEPTH = 8
 
 #: who drafted a node of a tree: the head, the prompt-lookup branch, or both
 _SOURCES = {"tree": DRAFTED_BY_HEAD, "branch": DRAFTED_BY_LOOKUP, "both": DRAFTED_BY_BOTH}
-
-
-def _best_path_first(parents: Sequence[int]) -> list[int]:
-    """The nodes of a tree given best first (``parents[i]`` < i, -1 for a root) in depth-first order, each node's
-    children best first: the best path comes first, so its nodes read a prefix of the verify pass's keys and share
-    them (the other nodes' keys are gathered, see :func:`~specdemo.backends.formats.row_wise_attention`)."""
-    children: dict[int, list[int]] = {-1: []}
-    for node, parent in enumerate(parents):
-        children.setdefault(parent, []).append(node)
-    order: list[int] = []
-    stack = children[-1][::-1]
-    while stack:
-        node = stack.pop()
-        order.append(node)
-        stack.extend(children.get(node, [])[::-1])
-    return order
 
 
 class EagleDrafter:
@@ -208,9 +192,7 @@ class EagleDrafter:
         head_nodes = [node for node in tree.tree_nodes if node >= 0]
         # paced only when the head ran this round
         self.sizer.proposed(sum(probs[node] for node in head_nodes), len(head_nodes) if probs else None)
-        chosen = _best_path_first(tree.parents)
-        place = {rank: index for index, rank in enumerate(chosen)}
-        node_parents = [place[tree.parents[rank]] if tree.parents[rank] >= 0 else -1 for rank in chosen]
+        chosen, node_parents = best_path_first(tree.parents)
         sources = [_SOURCES[tree.sources[rank]] for rank in chosen] if self.lookup is not None else None
         return Proposal([tree.tokens[rank] for rank in chosen], None, catch_up_seconds, node_parents, sources)
 

@@ -19,10 +19,14 @@ from ..core.events import (
     DRAFTED_BY_BOTH,
     DRAFTED_BY_HEAD,
     DRAFTED_BY_LOOKUP,
+    DRAFTED_FROM_OUTPUT,
+    DRAFTED_FROM_PROMPT,
+    EARLIER_ANSWER,
     PLAIN,
     REJECTED,
     Counters,
     TokenEvent,
+    answer_number,
 )
 from ..session.racelog import RaceSettings
 from ..session.state import PaneState, RaceState
@@ -54,12 +58,24 @@ def _fmt_prob(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
 
 
-#: who drafted a token, in words (drafters with several parts: EAGLE's head and its prompt-lookup branch)
+#: who drafted a token, in words (drafters with several parts: EAGLE's head and its prompt-lookup branch; suffix
+#: decoding's trees over the prompt, the output so far and earlier answers)
 SOURCE_LABELS = {
     DRAFTED_BY_HEAD: "drafted by the head",
     DRAFTED_BY_LOOKUP: "drafted by prompt lookup",
     DRAFTED_BY_BOTH: "drafted by the head and prompt lookup",
+    DRAFTED_FROM_PROMPT: "drafted from the prompt",
+    DRAFTED_FROM_OUTPUT: "drafted from this answer so far",
+    EARLIER_ANSWER: "drafted from an earlier answer",
 }
+
+
+def source_label(source: str) -> str:
+    """Who drafted a token, in words; an earlier answer by its number (the visitor's own races, counted from 1)."""
+    number = answer_number(source)
+    if number is not None:
+        return f"drafted from earlier answer {number}"
+    return SOURCE_LABELS.get(source, f"drafted by {source}")
 
 
 def token_title(token: TokenEvent) -> str:
@@ -67,7 +83,7 @@ def token_title(token: TokenEvent) -> str:
     probabilities behind it."""
     parts = [f"round {token.round}", KIND_LABELS.get(token.kind, token.kind)]
     if token.source is not None:
-        parts.append(SOURCE_LABELS.get(token.source, f"drafted by {token.source}"))
+        parts.append(source_label(token.source))
     if token.draft_prob is not None:
         parts.append(f"draft p = {_fmt_prob(token.draft_prob)}")
     if token.target_prob is not None:

@@ -14,6 +14,7 @@ import torch
 
 from ..backends.loading import CacheKey, LoadedModel, clear_model_cache
 from ..backends.memory import return_free_memory
+from ..backends.suffix_trees import SuffixMemory
 from ..backends.transformers_lm import CachedLM
 from ..core.economics import CostCurve
 from ..core.errors import InputError
@@ -83,12 +84,14 @@ def spec_events(
     settings: GenerationSettings,
     spec: SpecSettings,
     calibration: CostCurve | None = None,
+    memory: SuffixMemory | None = None,
 ) -> Iterator[RoundEvent]:
     """The speculative side of a run; ``calibration`` (this machine's cost curve for this target and format, see
-    :mod:`specdemo.session.calibration`) gives the adaptive draft length somewhere to start from."""
+    :mod:`specdemo.session.calibration`) gives the adaptive draft length somewhere to start from; ``memory``: the
+    answers of earlier races, for a mode that drafts from them (suffix decoding)."""
     prior = policy_prior(calibration, target, draft, spec.mode)
     policy = make_spec_policy(spec, target, settings, prior)
-    drafter = make_drafter(spec, target, draft, settings, policy)
+    drafter = make_drafter(spec, target, draft, settings, policy, memory)
     return speculative_decode(
         CachedLM(target.model), drafter, policy, prompt_ids, settings, target.eos_token_ids, target.tokenizer
     )

@@ -34,6 +34,7 @@ from ..backends.loading import (
 )
 from ..backends.memory import resident_gb, return_free_memory
 from ..backends.offline import OfflinePackError
+from ..backends.suffix_trees import SuffixMemory
 from ..core.economics import CostCurve
 from ..core.errors import InputError, first_line
 from ..core.loop import collect
@@ -88,6 +89,7 @@ class Prepared:
     calibration: CostCurve | None = None  # this machine's cost curve for the target (and draft)
     format_reason: str | None = None  # why the target runs in its format, when --dtype auto chose it
     format_choice: FormatChoice | None = None  # the choice itself (its measured candidates), when auto chose
+    memory: SuffixMemory | None = None  # the answers of earlier races the suffix mode drafts from (None: none)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -191,8 +193,19 @@ def race_settings(prepared: Prepared) -> RaceSettings:
         prompt_tokens=len(prepared.prompt_ids),
         chat=bool(prepared.request.chat),
         pair=prepared.pair,
-        methods=describe_methods(prepared.spec, prepared.target, [prepared.spec.mode]) or None,
+        methods=_methods(prepared),
     )
+
+
+def _methods(prepared: Prepared) -> dict[str, Any] | None:
+    """What the race's mode records about its own parts (for a mode that drafts from earlier answers, how much its
+    memory held when the race began: None, no memory)."""
+    methods = describe_methods(prepared.spec, prepared.target, [prepared.spec.mode])
+    mode = prepared.spec.mode
+    if prepared.spec.method.drafts_from_memory:
+        memory = prepared.memory.describe() if prepared.memory is not None else None
+        methods[mode] = {**methods.get(mode, {}), "memory": memory}
+    return methods or None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -213,14 +226,19 @@ class Racer:
         """Every check that needs no model (see :func:`~specdemo.session.request.check_request`)."""
         return check_request(request, self.config)
 
-    def prepare(self, request: RaceRequest, on_progress: Progress | None = None) -> Prepared:
+    def prepare(
+        self, request: RaceRequest, on_progress: Progress | None = None, memory: SuffixMemory | None = None
+    ) -> Prepared:
         """Check, load (reporting progress in [0, 1]), encode, warm up, calibrate; InputError with one plain line
-        otherwise (and one line in the server log)."""
+        otherwise (and one line in the server log). ``memory``: the earlier answers the suffix mode drafts from
+        (the warm-up never adds to it; whoever runs the race remembers its answer)."""
         try:
-            return self._prepare(request, on_progress or _no_progress)
+            prepared = self._prepare(request, on_progress or _no_progress)
         except InputError as error:
             log_refusal(str(error))
             raise
+        prepared.memory = memory
+        return prepared
 
     def _source_limits(self, source: str | None, checked: Checked) -> dict[str, Any]:
         """How a source loads: a hosted app's custom Hub id never from disk, its download capped."""
@@ -386,7 +404,8 @@ class Racer:
         state = RaceState(race_settings(prepared))
         plain = plain_events(prepared.target, prepared.prompt_ids, prepared.settings)
         spec = spec_events(
-            prepared.target, prepared.draft, prepared.prompt_ids, prepared.settings, prepared.spec, prepared.calibration
+            prepared.target, prepared.draft, prepared.prompt_ids, prepared.settings, prepared.spec, prepared.calibration,
+            prepared.memory,
         )
         events = race(plain, spec)
         budget = self.config.race_time_budget

@@ -1,0 +1,132 @@
+"""Suffix decoding (Oliaro et al. 2024, arXiv 2411.04975; vLLM's ``suffix`` method): drafts from suffix trees over
+the race's prompt and output and over the answers of earlier races (the memory), with no model at all.
+
+Each round both trees match the context's longest suffixes and propose the likeliest continuations as a tree, sized
+by the match (``suffix_factor`` tokens per matched token, none less likely than ``suffix_min_token_prob``, as
+SuffixDecoding's ``max_spec_factor`` and ``min_token_prob``); the tree with the larger expected number of accepted
+tokens is drafted, cut by the machine's cost curve like the other tree modes
+(:class:`~specdemo.methods.draft_length.TreeSizer`), and verified in one pass. Under sampling a chain is drafted and
+verified with the point-mass rule the n-gram mode uses. The trees are :mod:`specdemo.backends.suffix_trees`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ..backends.loading import LoadedModel
+from ..backends.suffix_trees import DEFAULT_MAX_DEPTH, DraftLimits, PromptTree, SuffixDraft, SuffixMemory, suffix_tree
+from ..core.errors import InputError
+from ..core.events import DRAFTED_FROM_OUTPUT, DRAFTED_FROM_PROMPT, EARLIER_ANSWER, drafted_from_answer
+from ..core.protocol import Proposal, RoundResult, TargetPass
+from ..core.tree import best_path_first
+from .base import BuildContext, Method, heads_policy, tree_verify_cost
+from .draft_length import TreeSizer
+
+logger = logging.getLogger(__name__)
+
+
+class SuffixDrafter:
+    """Drafts from the race's own suffix tree (its prompt and output) and from ``memory`` (earlier answers; None:
+    the race's own tree only). ``tree``: draft a tree of candidates (greedy runs), else one path. ``verify_cost``
+    (seconds of a verify pass over n tokens) cuts each tree to the nodes that pay; without it the whole draft goes.
+    Each drafted token says where it came from: the prompt, the output so far, or which earlier answer."""
+
+    name = "suffix"
+    needs_hidden_states = False
+    hidden_layers: tuple[int, ...] | None = None
+
+    def __init__(
+        self,
+        memory: SuffixMemory | None = None,
+        tree: bool = True,
+        factor: float = 1.0,
+        min_token_prob: float = 0.1,
+        verify_cost: Callable[[int], float] | None = None,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+    ) -> None:
+        self.memory = memory
+        self.tree = tree
+        self.factor = factor
+        self.min_token_prob = min_token_prob
+        self.own = PromptTree(max_depth)
+        self.sizer = TreeSizer(verify_cost, rests=False)  # a lookup costs microseconds: never sit a round out
+        self._seconds: float | None = None  # drafting, seconds a round
+
+    def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
+        self.own.start(prompt_ids)
+        self.sizer.start()
+
+    def propose(self, context: Sequence[int], num_draft_tokens: int) -> Proposal:
+        if num_draft_tokens <= 0:
+            return Proposal()
+        started = time.perf_counter()
+        draft, sources = self._best_draft(context, num_draft_tokens)
+        count = len(draft.tokens)
+        if self.tree and count:
+            count = self.sizer.keep(draft.probs, time.perf_counter() - started)
+            self.sizer.proposed(sum(draft.probs[:count]), count)
+        if count == 0:
+            return Proposal()
+        order, parents = best_path_first(draft.parents[:count])
+        return Proposal([draft.tokens[node] for node in order], None, 0.0, parents if self.tree else None,
+                        [sources[node] for node in order])
+
+    def _best_draft(self, context: Sequence[int], num_draft_tokens: int) -> tuple[SuffixDraft, list[str]]:
+        """The draft of whichever tree expects more accepted tokens (the race's own on a tie), with each node's
+        source."""
+        limits = DraftLimits(num_draft_tokens, self.factor, 0.0, self.min_token_prob, self.tree)
+        self.own.extend(context)
+        own = self.own.speculate(context, limits)
+        remembered, numbers = self.memory.speculate(context, limits) if self.memory is not None else (SuffixDraft(), [])
+        if remembered.score > own.score:
+            return remembered, [EARLIER_ANSWER if n is None else drafted_from_answer(n) for n in numbers]
+        keys = own.keys(context)
+        return own, [DRAFTED_FROM_PROMPT if self.own.from_prompt(key) else DRAFTED_FROM_OUTPUT for key in keys]
+
+    def feedback(self, result: RoundResult) -> None:
+        if self.tree:
+            self.sizer.observe(result.num_drafted, result.num_accepted)
+
+
+@dataclass(frozen=True)
+class SuffixOptions:
+    """How much a suffix tree drafts: at most ``suffix_factor`` tokens per token of the context it matched, none
+    whose estimated probability (how often it followed that context) is below ``suffix_min_token_prob``."""
+
+    suffix_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
+
+    def validate(self) -> None:
+        if not 0.0 < self.suffix_factor <= 64.0:
+            raise InputError(f"suffix_factor (tokens drafted per matched token) must be in (0, 64], got "
+                             f"{self.suffix_factor}", field="suffix_factor")
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise InputError(f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}",
+                             field="suffix_min_token_prob")
+
+
+def _check(target: LoadedModel, draft: LoadedModel | None, options: Any) -> None:
+    suffix_tree(1)  # the package is missing: how to install it, in one line, before any pass
+
+
+def _build(context: BuildContext) -> SuffixDrafter:
+    options: SuffixOptions = context.options
+    tree = context.settings.sampling.greedy  # sampling is exact on a chain only
+    return SuffixDrafter(context.memory, tree, options.suffix_factor, options.suffix_min_token_prob,
+                         tree_verify_cost(context.policy, tree))
+
+
+METHOD = Method(
+    name="suffix",
+    label="suffix decoding: trees over the prompt and earlier answers (no draft model)",
+    build=_build,
+    options=SuffixOptions,
+    drafts_for_free=True,
+    proposes_trees=True,
+    drafts_from_memory=True,
+    check=_check,
+    make_policy=lambda context: heads_policy(context, tree=True),
+)
