@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     race.add_argument("--draft", help="draft model (same sources as --target)")
     race.add_argument(
         "--mode", default="draft",
-        help="speculative mode: draft, ngram, uag, medusa, medusa-chain, eagle or eagle-chain (default draft)",
+        help="speculative mode: draft, ngram, suffix, uag, medusa, medusa-chain, eagle or eagle-chain (default draft)",
     )
     race.add_argument("--medusa-heads", help="Medusa heads folder (default: the offline target's shipped heads)")
     race.add_argument("--eagle-head", help="EAGLE-3 head, a folder or Hub id (default: the target's shipped head, or "

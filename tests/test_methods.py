@@ -22,7 +22,8 @@ from specdemo.session.pipeline import plain_events, spec_events
 
 
 def test_every_mode_is_one_descriptor_with_its_options():
-    assert list(METHODS) == ["draft", "eagle", "eagle-chain", "medusa", "medusa-chain", "ngram", "uag"]  # file names
+    assert list(METHODS) == ["draft", "eagle", "eagle-chain", "medusa", "medusa-chain", "ngram", "suffix",
+                             "uag"]  # in the order of the file names
     for name, method in METHODS.items():
         assert method.name == name and method.label and callable(method.build)
         assert dataclasses.is_dataclass(method.options), name
@@ -31,14 +32,15 @@ def test_every_mode_is_one_descriptor_with_its_options():
         assert {f.name for f in dataclasses.fields(method.options)} <= {f.name for f in dataclasses.fields(SpecSettings)}
     assert [n for n, m in METHODS.items() if m.needs_draft_model] == ["draft", "uag"]
     assert [n for n, m in METHODS.items() if m.drafts_for_free] == ["eagle", "eagle-chain", "medusa", "medusa-chain",
-                                                                     "ngram"]
-    assert [n for n, m in METHODS.items() if m.proposes_trees] == ["eagle", "medusa"]
+                                                                     "ngram", "suffix"]
+    assert [n for n, m in METHODS.items() if m.proposes_trees] == ["eagle", "medusa", "suffix"]
+    assert [n for n, m in METHODS.items() if m.drafts_from_memory] == ["suffix"]
     assert [n for n, m in METHODS.items() if m.needs_hidden_states] == ["eagle", "eagle-chain", "medusa", "medusa-chain"]
     assert [n for n, m in METHODS.items() if m.other_tokenizer] == ["uag"]
 
 
 def test_unknown_modes_and_bad_options_are_refused_in_one_line():
-    with pytest.raises(InputError, match="unknown mode 'nope'; choose one of: draft, eagle, eagle-chain, medusa, medusa-chain, ngram, uag"):
+    with pytest.raises(InputError, match="unknown mode 'nope'; choose one of: draft, eagle, eagle-chain, medusa, medusa-chain, ngram, suffix, uag"):
         get_method("nope")
     with pytest.raises(InputError, match="n-gram sizes"):
         SpecSettings(mode="draft", ngram_min=3, ngram_max=2).validate()  # every knob is checked, whatever the mode
@@ -112,4 +114,5 @@ def test_a_mode_that_needs_a_draft_model_refuses_to_run_without_one():
 
 
 def test_build_context_carries_what_a_drafter_may_use():
-    assert [f.name for f in dataclasses.fields(BuildContext)] == ["target", "draft", "settings", "options", "policy"]
+    assert [f.name for f in dataclasses.fields(BuildContext)] == ["target", "draft", "settings", "options", "policy",
+                                                            "memory"]

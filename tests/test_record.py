@@ -110,7 +110,7 @@ def test_log_is_compact(log: RaceLog) -> None:
     assert "counters" not in json.dumps(data) and "accepted_lengths" not in json.dumps(data)
 
 
-RACED_MODES = ["draft", "ngram", "uag", "medusa", "medusa-chain", "eagle", "eagle-chain"]
+RACED_MODES = ["draft", "ngram", "uag", "medusa", "medusa-chain", "eagle", "eagle-chain", "suffix"]
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +146,11 @@ def test_a_log_rebuilds_every_live_figure_of_every_mode(mode, heads) -> None:
     assert RaceLog.from_json(json.loads(racelog.dumps(live.log()))).settings == settings
     if mode.startswith("eagle"):
         assert settings.methods is not None and settings.methods[mode]["head_format"] == "float32"
+    elif mode == "suffix":  # what its memory held when the race began (None: raced without one)
+        assert settings.methods == {"suffix": {"memory": None}}
     else:
         assert settings.methods is None
-    if mode in ("medusa", "eagle"):  # trees: the per-position counts go by depth, not by node count
+    if mode in ("medusa", "eagle", "suffix"):  # trees: the per-position counts go by depth, not by node count
         drafted = [r for r in live.spec.rounds if r.drafted]
         depths = [r.drafted if r.depth is None else r.depth for r in drafted]  # None: this round's tree was a chain
         assert drafted and all(1 <= d <= r.drafted for d, r in zip(depths, drafted))

@@ -139,10 +139,14 @@ DRAFTERS = {
         _perturbed(target, 3, 0.02), sampling, VOCAB, generator=generator, int8=False),
     "ngram": lambda target, sampling, generator: __import__(
         "specdemo.methods.ngram", fromlist=["NgramDrafter"]).NgramDrafter(1, 4),
+    "suffix": lambda target, sampling, generator: __import__(
+        "specdemo.methods.suffix", fromlist=["SuffixDrafter"]).SuffixDrafter(None, tree=False, factor=4.0),
     "medusa-chain": _medusa,
     "eagle-chain": _eagle,
 }
-TRIALS = {"draft-model": 1500, "ngram": 1500, "medusa-chain": 1500, "eagle-chain": 3000}
+TRIALS = {"draft-model": 1500, "ngram": 1500, "suffix": 1500, "medusa-chain": 1500, "eagle-chain": 3000}
+#: the drafters whose drafts are point masses (reported as None), and which draft only where the text repeats
+POINT_MASS = ("ngram", "suffix")
 
 
 class Recording:
@@ -206,10 +210,10 @@ def test_sampled_output_follows_the_target_at_every_position(kind):
     target, outputs, proposals = sampled_runs(kind, TRIALS[kind])
     assert all(len(out) == NEW_TOKENS for out in outputs)
     drafted = [p for p in proposals if p is not None and len(p.tokens) == NUM_DRAFT]
-    assert len(drafted) > TRIALS[kind] // (10 if kind == "ngram" else 3), "the runs must draft 4 tokens"
+    assert len(drafted) > TRIALS[kind] // (10 if kind in POINT_MASS else 3), "the runs must draft 4 tokens"
     for position, p in enumerate(position_p_values(target, outputs), start=1):
         assert p > ALPHA, f"{kind}: output position {position}: p = {p:.2g}"
-    if kind != "ngram":  # n-gram drafts are point masses, reported as None
+    if kind not in POINT_MASS:  # n-gram and suffix drafts are point masses, reported as None
         for position, p in enumerate(draft_p_values(proposals), start=1):
             assert p > ALPHA, f"{kind}: draft position {position}: p = {p:.2g}"
 

@@ -8,6 +8,7 @@ Each handler is a thin layer over one :class:`~specdemo.session.racer.Racer`: it
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -24,6 +25,8 @@ from ..render.views import (
     pane_titles,
     speedup_html,
 )
+from ..backends.suffix_trees import SuffixMemory
+from ..session.memories import HOSTED_MEMORY, LOCAL_MEMORY, SuffixMemories
 from ..session.racer import Prepared, Progress, Racer, log_refusal, race_settings
 from ..session.request import RaceRequest
 from ..session.state import RaceState, progress_dict, result_dict
@@ -144,10 +147,12 @@ def race_request(config: AppConfig, inputs: Mapping[str, Any]) -> RaceRequest:
     return RaceRequest(**{**inputs, "pair": inputs.get("pair") or None, "dtype": inputs.get("dtype") or config.dtype})
 
 
-def prepare(racer: Racer, request: RaceRequest, report: Progress | None = None) -> Prepared:
+def prepare(
+    racer: Racer, request: RaceRequest, report: Progress | None = None, memory: SuffixMemory | None = None
+) -> Prepared:
     """:meth:`Racer.prepare`, a refused request as a plain ``gr.Error``."""
     try:
-        return racer.prepare(request, report)
+        return racer.prepare(request, report, memory)
     except InputError as error:
         raise gr.Error(str(error), print_exception=False) from None
 
@@ -178,18 +183,80 @@ def race_updates(
         yield final(state)
 
 
+def visitor_of(request: gr.Request | None) -> str:
+    """Whose race it is: the visitor's Gradio session ("local" for a call without one: tests, embedding)."""
+    return getattr(request, "session_hash", None) or "local"
+
+
+def answer_of(result: Any) -> list[int] | None:
+    """The answer a race's result (the ``/race`` JSON) leaves to remember: the speculative side's tokens, when it
+    finished (EOS or the length limit) and the race was not stopped; None otherwise."""
+    if not isinstance(result, dict) or result.get("stopped") or not isinstance(result.get("spec"), dict):
+        return None
+    spec = result["spec"]
+    if spec.get("finish_reason") is None:
+        return None
+    return [int(token["id"]) for token in spec.get("tokens", ())]
+
+
 class Handlers:
     """The app's event handlers, bound to one :class:`Racer` (tests drive these directly).
 
     :attr:`race` (the Run button) and :attr:`api` (the ``/race`` API) hold the GPU on ZeroGPU; the queue runs the
-    validators before queueing, so bad input never waits.
+    validators before queueing, so bad input never waits. Each visitor has a memory of the answers of their earlier
+    races (:class:`~specdemo.session.memories.SuffixMemories`), which the suffix mode drafts from: a race's answer
+    is remembered once it has finished, in this process (on ZeroGPU a race runs in a worker process, whose changes
+    would be lost), never while it runs.
     """
 
     def __init__(self, config: AppConfig) -> None:
         self.config = config
         self.racer = Racer(config)  # one for all the handlers: the queue runs one race at a time
-        self.race: Callable[..., Iterator[tuple]] = gpu(self.run_race, duration=config.gpu_duration)
-        self.api: Callable[..., Iterator[dict]] = gpu(self.api_race, duration=config.gpu_duration)
+        self.memories = SuffixMemories(HOSTED_MEMORY if config.hosted else LOCAL_MEMORY)
+        result = OUTPUTS.index("result")
+        self.race: Callable[..., Iterator[tuple]] = self._remembering(
+            gpu(self.run_race, duration=config.gpu_duration), lambda update: update[result])
+        self.api: Callable[..., Iterator[dict]] = self._remembering(
+            gpu(self.api_race, duration=config.gpu_duration), lambda update: update)
+
+    def _remembering(self, handler: Callable[..., Iterator[T]], result_of: Callable[[T], Any]
+                     ) -> Callable[..., Iterator[T]]:
+        """``handler``'s updates, passed on; once it has ended, the answer of its last update's result
+        (``result_of``) remembered for the visitor who ran it."""
+        signature = inspect.signature(handler)
+
+        @functools.wraps(handler)
+        def remembering(*args: Any, **kwargs: Any) -> Iterator[T]:
+            visitor = visitor_of(signature.bind(*args, **kwargs).arguments.get("request"))
+            updates = handler(*args, **kwargs)
+            last = None
+            try:
+                for last in updates:
+                    yield last
+            finally:
+                updates.close()
+            answer = answer_of(result_of(last)) if last is not None else None
+            if answer:
+                self.memories.remember(visitor, answer)
+
+        return remembering
+
+    def memory_text(self, request: gr.Request | None = None) -> str:
+        """What the visitor's memory holds, in words (the line under the mode)."""
+        held = self.memories.describe(visitor_of(request))
+        return (
+            f"**Memory of earlier answers** (suffix mode drafts from it; yours alone): {held['answers']} of at most "
+            f"{held['max_answers']} answers, {held['tokens']:,} of {held['max_tokens']:,} tokens."
+        )
+
+    def forget_memory(self, request: gr.Request | None = None) -> str:
+        """Forget the visitor's earlier answers (the Forget button); the line under the mode, updated."""
+        self.memories.forget(visitor_of(request))
+        return self.memory_text(request)
+
+    def drop_memory(self, request: gr.Request | None = None) -> None:
+        """A visitor left (the page closed): drop their memory."""
+        self.memories.drop(visitor_of(request))
 
     def run_race(
         self,
@@ -207,9 +274,10 @@ class Handlers:
         quantization: str,
         chat: bool,
         progress: gr.Progress = gr.Progress(),
+        request: gr.Request | None = None,
     ) -> Iterator[tuple]:
         """One Run: load, then one race; yields the panes a few times a second and always the final state."""
-        request = race_request(self.config, run_inputs(dict(
+        race = race_request(self.config, run_inputs(dict(
             prompt=prompt, pair=pair, target=target, draft=draft, mode=mode, draft_tokens=draft_tokens,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, dtype=dtype,
             quantization=quantization, chat=chat,
@@ -218,7 +286,7 @@ class Handlers:
         def report(fraction: float, message: str) -> None:
             progress(max(0.0, min(1.0, fraction)), desc=message)
 
-        prepared = prepare(self.racer, request, report)
+        prepared = prepare(self.racer, race, report, self.memories.get(visitor_of(request)))
         for warning in prepared.warnings:
             gr.Warning(warning)
         yield starting_view(prepared)
@@ -244,6 +312,7 @@ class Handlers:
         target: str = "",
         draft: str = "",
         dtype: str = "",
+        request: gr.Request | None = None,
     ) -> Iterator[dict]:
         """Run one race to the end: a short progress object after every round, then the final texts, per-token
         kinds and figures as JSON (``client.predict`` returns that last one).
@@ -255,12 +324,12 @@ class Handlers:
         Yielding every round lets the queue close the race within one round when the client cancels or
         disconnects, so the worker is free for the next visitor.
         """
-        request = race_request(self.config, dict(
+        race = race_request(self.config, dict(
             prompt=prompt, pair=pair, mode=mode, num_draft_tokens_schedule=num_draft_tokens_schedule,
             num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
             seed=seed, chat=chat, target=target, draft=draft, dtype=dtype,
         ))
-        prepared = prepare(self.racer, request)
+        prepared = prepare(self.racer, race, memory=self.memories.get(visitor_of(request)))
         yield from race_updates(
             self.racer, prepared,
             live=progress_dict,
@@ -275,7 +344,8 @@ class Handlers:
         """The ``/race`` API's validator: its inputs as :meth:`api_race` takes them, in order or by name."""
         inputs = inspect.signature(self.api_race).bind(*values, **named)
         inputs.apply_defaults()
-        return self.validation(race_request(self.config, inputs.arguments), API_INPUTS)
+        arguments = {name: value for name, value in inputs.arguments.items() if name in API_INPUTS}
+        return self.validation(race_request(self.config, arguments), API_INPUTS)
 
     def validation(
         self, request: RaceRequest, names: Sequence[str], aliases: Mapping[str, str] | None = None
@@ -293,7 +363,7 @@ class Handlers:
 
 
 #: the ``/race`` API's inputs, in order: the parameters of :meth:`Handlers.api_race`, as clients see them
-API_INPUTS = tuple(name for name in inspect.signature(Handlers.api_race).parameters if name != "self")
+API_INPUTS = tuple(name for name in inspect.signature(Handlers.api_race).parameters if name not in ("self", "request"))
 
 
 def make_handlers(config: AppConfig) -> Handlers:

@@ -118,6 +118,8 @@ class SettingsControls:
     mode: gr.Dropdown
     draft_tokens: gr.Dropdown  # one choice for the draft length's schedule and count (see config.draft_length_of)
     max_new_tokens: gr.Slider
+    memory: gr.Markdown  # what the visitor's memory of earlier answers holds (the suffix mode drafts from it)
+    forget: gr.Button  # ... and the button that empties it
 
 
 @dataclass
@@ -198,7 +200,8 @@ def build_app(config: AppConfig | None = None) -> gr.Blocks:
     handlers = make_handlers(config)
     with gr.Blocks(title=config.title, analytics_enabled=False) as demo:
         page = _page(config)
-        recorder = _wire_run(page, handlers)
+        recorder, run_event = _wire_run(page, handlers)
+        _wire_memory(demo, page, handlers, run_event)
         _wire_settings(page, config)
         api = gr.api(handlers.api, api_name="race", concurrency_limit=1, concurrency_id="device")
         demo.fns[api["id"]].validator = handlers.api_validator  # gr.api takes no validator argument (Gradio 6)
@@ -289,7 +292,10 @@ def _settings(config: AppConfig) -> SettingsControls:
         label="Max new tokens",
         elem_id="max-new-tokens",
     )
-    return SettingsControls(pair, pair_info, mode, draft_tokens, max_new_tokens)
+    with gr.Row(equal_height=True):
+        memory = gr.Markdown(elem_id="memory")
+        forget = gr.Button("Forget earlier answers", size="sm", scale=0, elem_id="forget")
+    return SettingsControls(pair, pair_info, mode, draft_tokens, max_new_tokens, memory, forget)
 
 
 def _more_settings(config: AppConfig) -> MoreSettings:
@@ -403,8 +409,9 @@ def _charts() -> Charts:
     return Charts(race_plot, length_plot, position_plot, cost_plot)
 
 
-def _wire_run(page: Page, handlers: Handlers) -> Recorder:
-    """Run (the race, then its recordings) and Stop; returns the recorder of the download row."""
+def _wire_run(page: Page, handlers: Handlers) -> tuple[Recorder, Any]:
+    """Run (the race, then its recordings) and Stop; returns the recorder of the download row and the race's
+    event."""
     run, downloads, video_preview = page.controls.run, page.downloads, page.video_preview
     run_event = run.click(
         handlers.race,
@@ -442,7 +449,18 @@ def _wire_run(page: Page, handlers: Handlers) -> Recorder:
     page.controls.stop.click(fn=None, cancels=[run_event], js=STOP_JS).then(
         lambda: STOPPED_TEXT, outputs=page.panel.status, queue=False, api_visibility="private"
     )
-    return recorder
+    return recorder, run_event
+
+
+def _wire_memory(demo: gr.Blocks, page: Page, handlers: Handlers, run_event: Any) -> None:
+    """The visitor's memory of earlier answers: shown when the page loads and after every race, emptied by its
+    button, dropped when the page closes."""
+    settings = page.controls.settings
+    private = {"queue": False, "api_visibility": "private", "show_progress": "hidden"}
+    run_event.then(handlers.memory_text, outputs=settings.memory, **private)
+    settings.forget.click(handlers.forget_memory, outputs=settings.memory, **private)
+    demo.load(handlers.memory_text, outputs=settings.memory, **private)
+    demo.unload(handlers.drop_memory)
 
 
 def _wire_settings(page: Page, config: AppConfig) -> None:

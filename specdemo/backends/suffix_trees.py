@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 SUFFIX_INSTALL = "python3 -m pip install --no-build-isolation --no-deps -r requirements-suffix.txt"
 #: the longest context a tree matches and the deepest draft it proposes (vLLM's default tree depth)
 DEFAULT_MAX_DEPTH = 24
-#: tokens of context (the drafted token included) that name where a drafted token came from
+#: tokens (the drafted token and the matched context and path before it) that name where a drafted token came from
 PROVENANCE_TOKENS = 4
 #: a memory's default bounds: the earlier answers it keeps, and their tokens in all
 DEFAULT_MAX_ANSWERS = 256
@@ -86,13 +87,14 @@ class SuffixDraft:
         return sum(self.probs)
 
     def keys(self, context: Sequence[int]) -> list[tuple[int, ...]]:
-        """For each node, the last :data:`PROVENANCE_TOKENS` tokens of ``context`` and its path up to and
-        including the node: what names where it came from."""
+        """For each node, the last :data:`PROVENANCE_TOKENS` tokens of the matched context and its path up to and
+        including the node (fewer when they are fewer): a run of tokens the tree holds, which names where the
+        node came from."""
         paths: list[list[int]] = []
         for token, parent in zip(self.tokens, self.parents):
             paths.append((paths[parent] if parent >= 0 else []) + [token])
-        tail = list(context[-PROVENANCE_TOKENS:])
-        return [tuple((tail + path)[-PROVENANCE_TOKENS:]) for path in paths]
+        matched = [int(token) for token in context[len(context) - self.match_len :]] if self.match_len else []
+        return [tuple((matched + path)[-PROVENANCE_TOKENS:]) for path in paths]
 
 
 def speculate(tree: Any, context: Sequence[int], limits: DraftLimits) -> SuffixDraft:
@@ -106,12 +108,19 @@ def speculate(tree: Any, context: Sequence[int], limits: DraftLimits) -> SuffixD
     return SuffixDraft(list(native.token_ids), list(native.parents), list(native.probs), int(native.match_len))
 
 
-def grams(tokens: Sequence[int]) -> set[tuple[int, ...]]:
-    """Every run of :data:`PROVENANCE_TOKENS` tokens in ``tokens``, and the shorter ones at its start."""
-    found = set()
-    for end in range(1, len(tokens) + 1):
-        found.add(tuple(tokens[max(0, end - PROVENANCE_TOKENS) : end]))
-    return found
+def packed(tokens: Sequence[int]) -> bytes:
+    """Token ids as 32-bit integers, for :func:`holds`."""
+    return array("i", [int(token) for token in tokens]).tobytes()
+
+
+def holds(sequence: bytes, run: Sequence[int]) -> bool:
+    """Whether the packed ``sequence`` holds the tokens ``run`` in a row (a search at C speed, aligned to whole
+    tokens)."""
+    needle = packed(run)
+    at = sequence.find(needle)
+    while at >= 0 and at % 4:
+        at = sequence.find(needle, at + 1)
+    return at >= 0
 
 
 class PromptTree:
@@ -122,13 +131,13 @@ class PromptTree:
         self.max_depth = max_depth
         self._tree: Any = None
         self._length = 0
-        self._prompt_grams: set[tuple[int, ...]] = set()
+        self._prompt = b""
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         """A new race: a tree over ``prompt_ids`` alone."""
         self._tree = suffix_tree(self.max_depth)
         self._length = 0
-        self._prompt_grams = grams([int(token) for token in prompt_ids])
+        self._prompt = packed(prompt_ids)
         self.extend(prompt_ids)
 
     def extend(self, context: Sequence[int]) -> None:
@@ -140,9 +149,10 @@ class PromptTree:
     def speculate(self, context: Sequence[int], limits: DraftLimits) -> SuffixDraft:
         return speculate(self._tree, context[-self.max_depth :], limits)
 
-    def from_prompt(self, key: tuple[int, ...]) -> bool:
-        """Whether the tokens ``key`` (a drafted token after its context) occur in the prompt."""
-        return key in self._prompt_grams
+    def from_prompt(self, key: Sequence[int]) -> bool:
+        """Whether the tokens ``key`` (a drafted token after its context, see :meth:`SuffixDraft.keys`) occur in
+        the prompt."""
+        return holds(self._prompt, key)
 
 
 class SuffixMemory:
@@ -164,8 +174,7 @@ class SuffixMemory:
         self.max_answers, self.max_tokens, self.max_depth = max_answers, max_tokens, max_depth
         self._lock = threading.Lock()
         self._tree: Any = None
-        self._answers: OrderedDict[int, list[int]] = OrderedDict()  # number -> its tokens, oldest first
-        self._latest: dict[tuple[int, ...], int] = {}  # tokens -> the latest remembered answer holding them
+        self._answers: OrderedDict[int, bytes] = OrderedDict()  # number -> its tokens (packed), oldest first
         self._tokens = 0
         self._numbered = 0  # answers remembered so far (forgotten ones included)
 
@@ -196,10 +205,8 @@ class SuffixMemory:
             self._numbered += 1
             number = self._numbered
             self._tree.extend(number, ids)
-            self._answers[number] = ids
+            self._answers[number] = packed(ids)
             self._tokens += len(ids)
-            for key in grams(ids):
-                self._latest[key] = number
             self._evict()
         logger.debug("Remembered answer %d (%d tokens): %d answers, %d tokens", number, len(ids), self.answers,
                      self.tokens)
@@ -210,28 +217,29 @@ class SuffixMemory:
         with self._lock:
             self._tree = None
             self._answers.clear()
-            self._latest.clear()
             self._tokens = 0
 
     def speculate(self, context: Sequence[int], limits: DraftLimits) -> tuple[SuffixDraft, list[int | None]]:
         """The memory's draft after ``context`` and, for each node, the number of the latest remembered answer
-        holding it after its context (None where no remembered answer holds those tokens)."""
+        holding it after its matched context (its parent's answer first; None where none does)."""
         with self._lock:
             if self._tree is None:
                 return SuffixDraft(), []
             draft = speculate(self._tree, context[-self.max_depth :], limits)
-            return draft, [self._latest.get(key) for key in draft.keys(context)]
+            numbers: list[int | None] = []
+            for key, parent in zip(draft.keys(context), draft.parents):
+                numbers.append(self._holding(key, numbers[parent] if parent >= 0 else None))
+            return draft, numbers
+
+    def _holding(self, key: Sequence[int], hint: int | None) -> int | None:
+        """The remembered answer holding the tokens ``key``: ``hint`` when it does, else the latest that does."""
+        if hint is not None and holds(self._answers[hint], key):
+            return hint
+        return next((number for number in reversed(self._answers) if holds(self._answers[number], key)), None)
 
     def _evict(self) -> None:
-        """Forget the oldest answers beyond the bounds (the newest always stays); index what is left again."""
-        evicted = False
+        """Forget the oldest answers beyond the bounds (the newest always stays)."""
         while len(self._answers) > 1 and (len(self._answers) > self.max_answers or self._tokens > self.max_tokens):
             number, ids = self._answers.popitem(last=False)
             self._tree.remove(number)
-            self._tokens -= len(ids)
-            evicted = True
-        if evicted:
-            self._latest = {}
-            for number, ids in self._answers.items():
-                for key in grams(ids):
-                    self._latest[key] = number
+            self._tokens -= len(ids) // 4

@@ -41,11 +41,15 @@ from ..core.events import (
     DRAFTED_BY_BOTH,
     DRAFTED_BY_HEAD,
     DRAFTED_BY_LOOKUP,
+    DRAFTED_FROM_OUTPUT,
+    DRAFTED_FROM_PROMPT,
+    EARLIER_ANSWER,
     PLAIN,
     REJECTED,
     Counters,
     RoundEvent,
     TokenEvent,
+    answer_number,
 )
 from ..core.settings import MAX_NEW_TOKENS, MAX_NUM_DRAFT_TOKENS
 from .results import race_runs
@@ -74,8 +78,9 @@ MAX_LOG_BYTES = 64 * 1024 * 1024
 MAX_METHODS_CHARS = 4096
 #: the kinds a logged token may have
 KINDS = (PLAIN, ACCEPTED, CORRECTED, BONUS, REJECTED)
-#: the parts of a drafter a logged token may name as its source
-SOURCES = (DRAFTED_BY_HEAD, DRAFTED_BY_LOOKUP, DRAFTED_BY_BOTH)
+#: the parts of a drafter a logged token may name as its source (besides an earlier answer, "answer N")
+SOURCES = (DRAFTED_BY_HEAD, DRAFTED_BY_LOOKUP, DRAFTED_BY_BOTH, DRAFTED_FROM_PROMPT, DRAFTED_FROM_OUTPUT,
+           EARLIER_ANSWER)
 
 
 class RaceLogError(ValueError):
@@ -251,8 +256,8 @@ def _token_event(row: Any, index: int, name: str) -> TokenEvent:
 
 
 def _source(value: Any, name: str) -> str:
-    if value not in SOURCES:
-        raise ValueError(f"{name} must be one of {', '.join(SOURCES)}, not {_shown(value)}")
+    if value not in SOURCES and (not isinstance(value, str) or answer_number(value) is None):
+        raise ValueError(f"{name} must be one of {', '.join(SOURCES)} or \"answer N\", not {_shown(value)}")
     return value
 
 
