@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--suffix-min-token-prob", type=float, default=SpecSettings.suffix_min_token_prob,
                         help="suffix trees draft no token whose estimated probability is below this")
     parser.add_argument(
+        "--suffix-lookup", choices=["on", "off"], default="on", help="the suffix mode's tree also holds prompt "
+        "lookup's continuation as one more branch (the --ngram-* settings choose it); off: the suffix trees alone",
+    )
+    parser.add_argument(
         "--passes", type=int, default=1, help="race the prompt set this many times in a row (1 to 4): with "
         "--suffix-memory on, later passes draft from the answers of earlier ones; the report gains by_pass",
     )
@@ -238,6 +242,7 @@ def _spec_settings(
         eagle_lookup=args.eagle_lookup == "on",
         suffix_factor=args.suffix_factor,
         suffix_min_token_prob=args.suffix_min_token_prob,
+        suffix_lookup=args.suffix_lookup == "on",
     )
     spec.validate()
     return spec

@@ -99,3 +99,22 @@ def test_cancelling_a_running_race_closes_it(client, spied, caplog) -> None:
     assert ended == ["cancelled"]  # stopped by the cancel, not run to its end (480 slow tokens)
     # the device is free again: a new race runs at once
     assert client.predict(prompt=PROMPT, pair="tiny", max_new_tokens=8, api_name="/race")["spec"]["identical"] is True
+
+
+def test_each_client_drafts_from_its_own_earlier_answers_only(url) -> None:
+    """Through the served API: a client's second race drafts from its first one's answer (the suffix memory), a
+    second client's session starts with none, and no parameter of the API names a memory."""
+    pytest.importorskip("arctic_inference.suffix_decoding._C", reason="the suffix mode needs arctic-inference")
+    first, second = gradio_client.Client(url, verbose=False), gradio_client.Client(url, verbose=False)
+    race = dict(prompt="one two three four five one two three", pair="tiny", mode="suffix", max_new_tokens=24,
+                api_name="/race")
+    before = first.predict(**race)
+    again = first.predict(**race)
+    other = second.predict(**race)
+    assert before["spec"]["text"] == again["spec"]["text"] == other["spec"]["text"] == before["plain"]["text"]
+    assert before["methods"]["suffix"]["memory"]["answers"] == 0 and again["methods"]["suffix"]["memory"]["answers"] == 1
+    assert any(token["source"] == "answer 1" for token in again["spec"]["tokens"])
+    assert other["methods"]["suffix"]["memory"]["answers"] == 0
+    assert not any((token["source"] or "").startswith("answer") for token in other["spec"]["tokens"])
+    info = first.view_api(print_info=False, return_format="dict")
+    assert "request" not in [p["parameter_name"] for p in info["named_endpoints"]["/race"]["parameters"]]

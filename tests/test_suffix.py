@@ -4,6 +4,7 @@ visitor, and where each drafted token came from."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -70,7 +71,9 @@ def test_greedy_output_is_the_targets_from_the_prompt_and_from_earlier_answers(t
         alone = run(target, prompt, settings, spec)
         remembered = run(target, prompt, settings, spec, memory)
         assert alone.new_token_ids == reference and remembered.new_token_ids == reference
-        assert set(alone.counters.accepted_by_source) <= {"prompt", "output"}
+        assert set(alone.counters.accepted_by_source) <= {"prompt", "output", "lookup"}
+        trees_only = run(target, prompt, settings, replace(spec, suffix_lookup=False), memory)
+        assert trees_only.new_token_ids == reference and "lookup" not in trees_only.counters.accepted_by_source
         memory.remember(reference)
     # the second time round every prompt's own answer is remembered: most accepted tokens come from it
     counters = remembered.counters

@@ -85,6 +85,7 @@ class SpecSettings:
     eagle_lookup: bool = True  # the EAGLE tree also holds prompt lookup's continuation (greedy runs)
     suffix_factor: float = _SUFFIX.suffix_factor  # suffix trees draft at most this many tokens per matched token
     suffix_min_token_prob: float = _SUFFIX.suffix_min_token_prob  # ... none less likely than this
+    suffix_lookup: bool = _SUFFIX.suffix_lookup  # the suffix tree also holds prompt lookup's continuation (greedy)
 
     @property
     def method(self) -> Method:

@@ -4,9 +4,12 @@ the race's prompt and output and over the answers of earlier races (the memory),
 Each round both trees match the context's longest suffixes and propose the likeliest continuations as a tree, sized
 by the match (``suffix_factor`` tokens per matched token, none less likely than ``suffix_min_token_prob``, as
 SuffixDecoding's ``max_spec_factor`` and ``min_token_prob``); the tree with the larger expected number of accepted
-tokens is drafted, cut by the machine's cost curve like the other tree modes
-(:class:`~specdemo.methods.draft_length.TreeSizer`), and verified in one pass. Under sampling a chain is drafted and
-verified with the point-mass rule the n-gram mode uses. The trees are :mod:`specdemo.backends.suffix_trees`.
+tokens is drafted. Under greedy settings it also holds prompt lookup's continuation as one more branch
+(``suffix_lookup``, as EAGLE's tree does: :class:`~specdemo.methods.ngram.LookupBranch` follows the last accepted
+copy on, where a tree's short match after an edit drafts little). The tree is cut by the machine's cost curve like
+the other tree modes (:class:`~specdemo.methods.draft_length.TreeSizer`) and verified in one pass. Under sampling a
+chain is drafted and verified with the point-mass rule the n-gram mode uses. The trees are
+:mod:`specdemo.backends.suffix_trees`.
 """
 
 from __future__ import annotations
@@ -19,11 +22,18 @@ from typing import Any, Callable, Sequence
 from ..backends.loading import LoadedModel
 from ..backends.suffix_trees import DEFAULT_MAX_DEPTH, DraftLimits, PromptTree, SuffixDraft, SuffixMemory, suffix_tree
 from ..core.errors import InputError
-from ..core.events import DRAFTED_FROM_OUTPUT, DRAFTED_FROM_PROMPT, EARLIER_ANSWER, drafted_from_answer
+from ..core.events import (
+    DRAFTED_BY_LOOKUP,
+    DRAFTED_FROM_OUTPUT,
+    DRAFTED_FROM_PROMPT,
+    EARLIER_ANSWER,
+    drafted_from_answer,
+)
 from ..core.protocol import Proposal, RoundResult, TargetPass
-from ..core.tree import best_path_first
+from ..core.tree import add_branch, best_path_first
 from .base import BuildContext, Method, heads_policy, tree_verify_cost
 from .draft_length import TreeSizer
+from .ngram import LookupBranch, NgramOptions
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +42,8 @@ class SuffixDrafter:
     """Drafts from the race's own suffix tree (its prompt and output) and from ``memory`` (earlier answers; None:
     the race's own tree only). ``tree``: draft a tree of candidates (greedy runs), else one path. ``verify_cost``
     (seconds of a verify pass over n tokens) cuts each tree to the nodes that pay; without it the whole draft goes.
-    Each drafted token says where it came from: the prompt, the output so far, or which earlier answer."""
+    ``lookup`` (trees only): prompt lookup's continuation joins the tree as one more branch. Each drafted token says
+    where it came from: the prompt, the output so far, which earlier answer, or prompt lookup alone."""
 
     name = "suffix"
     needs_hidden_states = False
@@ -46,8 +57,12 @@ class SuffixDrafter:
         min_token_prob: float = 0.1,
         verify_cost: Callable[[int], float] | None = None,
         max_depth: int = DEFAULT_MAX_DEPTH,
+        lookup: LookupBranch | None = None,
     ) -> None:
+        if lookup is not None and not tree:
+            raise ValueError("the prompt-lookup branch joins a suffix tree only")
         self.memory = memory
+        self.lookup = lookup
         self.tree = tree
         self.factor = factor
         self.min_token_prob = min_token_prob
@@ -58,21 +73,29 @@ class SuffixDrafter:
     def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
         self.own.start(prompt_ids)
         self.sizer.start()
+        if self.lookup is not None:
+            self.lookup.start()
 
     def propose(self, context: Sequence[int], num_draft_tokens: int) -> Proposal:
         if num_draft_tokens <= 0:
             return Proposal()
         started = time.perf_counter()
         draft, sources = self._best_draft(context, num_draft_tokens)
-        count = len(draft.tokens)
-        if self.tree and count:
-            count = self.sizer.keep(draft.probs, time.perf_counter() - started)
-            self.sizer.proposed(sum(draft.probs[:count]), count)
-        if count == 0:
+        if not self.tree:
+            return Proposal(draft.tokens, None, 0.0, None, sources) if draft.tokens else Proposal()
+        branch = self.lookup.propose(context, num_draft_tokens) if self.lookup is not None else ([], [])
+        ratio = self.sizer.calibration
+        calibrated = [min(1.0, ratio * prob) for prob in draft.probs]  # the branch's rates are calibrated already
+        tree = add_branch(draft.tokens, draft.parents, calibrated, *branch).cut(num_draft_tokens)
+        tree = tree.cut(self.sizer.keep(tree.probs, time.perf_counter() - started, ratio=1.0))
+        own_nodes = [node for node in tree.tree_nodes if node >= 0]
+        self.sizer.proposed(sum(draft.probs[node] for node in own_nodes), len(tree.tokens))
+        if not tree.tokens:
             return Proposal()
-        order, parents = best_path_first(draft.parents[:count])
-        return Proposal([draft.tokens[node] for node in order], None, 0.0, parents if self.tree else None,
-                        [sources[node] for node in order])
+        order, parents = best_path_first(tree.parents)
+        named = [sources[tree.tree_nodes[rank]] if tree.tree_nodes[rank] >= 0 else DRAFTED_BY_LOOKUP
+                 for rank in order]
+        return Proposal([tree.tokens[rank] for rank in order], None, 0.0, parents, named)
 
     def _best_draft(self, context: Sequence[int], num_draft_tokens: int) -> tuple[SuffixDraft, list[str]]:
         """The draft of whichever tree expects more accepted tokens (the race's own on a tie), with each node's
@@ -87,19 +110,27 @@ class SuffixDrafter:
         return own, [DRAFTED_FROM_PROMPT if self.own.from_prompt(key) else DRAFTED_FROM_OUTPUT for key in keys]
 
     def feedback(self, result: RoundResult) -> None:
-        if self.tree:
-            self.sizer.observe(result.num_drafted, result.num_accepted)
+        path = result.verdict.accepted_nodes
+        if self.lookup is not None:
+            self.lookup.feedback([result.proposal.tokens[node] for node in path])
+        if self.tree and result.num_drafted:
+            sources = result.proposal.sources or ()
+            from_trees = sum(1 for node in path if node >= len(sources) or sources[node] != DRAFTED_BY_LOOKUP)
+            self.sizer.observe(result.num_drafted, from_trees)
 
 
 @dataclass(frozen=True)
-class SuffixOptions:
+class SuffixOptions(NgramOptions):
     """How much a suffix tree drafts: at most ``suffix_factor`` tokens per token of the context it matched, none
-    whose estimated probability (how often it followed that context) is below ``suffix_min_token_prob``."""
+    whose estimated probability (how often it followed that context) is below ``suffix_min_token_prob``;
+    ``suffix_lookup``: the greedy tree also holds prompt lookup's continuation (chosen by the n-gram settings)."""
 
     suffix_factor: float = 1.0
     suffix_min_token_prob: float = 0.1
+    suffix_lookup: bool = True
 
     def validate(self) -> None:
+        super().validate()
         if not 0.0 < self.suffix_factor <= 64.0:
             raise InputError(f"suffix_factor (tokens drafted per matched token) must be in (0, 64], got "
                              f"{self.suffix_factor}", field="suffix_factor")
@@ -115,8 +146,10 @@ def _check(target: LoadedModel, draft: LoadedModel | None, options: Any) -> None
 def _build(context: BuildContext) -> SuffixDrafter:
     options: SuffixOptions = context.options
     tree = context.settings.sampling.greedy  # sampling is exact on a chain only
+    lookup = (LookupBranch(options.ngram_min, options.ngram_max, options.ngram_prefer)
+              if tree and options.suffix_lookup else None)
     return SuffixDrafter(context.memory, tree, options.suffix_factor, options.suffix_min_token_prob,
-                         tree_verify_cost(context.policy, tree))
+                         tree_verify_cost(context.policy, tree), lookup=lookup)
 
 
 METHOD = Method(
