@@ -390,12 +390,10 @@ class TreeSizer:
     plain step is better. The probabilities are scaled by the drafter's record (observed over predicted accepted
     tokens of its recent trees, :meth:`observe`), since heads' probabilities are not calibrated. After a tree that
     does not pay the drafter rests (its heads not run) 1, 2, 4 ... up to :data:`MAX_REST` rounds, and the record
-    drifts back toward trusting it, so that a later stretch of predictable text can win it back. A drafter whose
-    drafting costs microseconds (suffix trees) never rests: ``rests=False``."""
+    drifts back toward trusting it, so that a later stretch of predictable text can win it back."""
 
-    def __init__(self, verify_cost: Callable[[int], float] | None = None, rests: bool = True) -> None:
+    def __init__(self, verify_cost: Callable[[int], float] | None = None) -> None:
         self.verify_cost = verify_cost
-        self.rests = rests
         self._expected = 0.0  # predicted accepted tokens, summed over rounds (decayed)
         self._observed = 0.0  # ... and accepted
         self._last_expected = 0.0  # the tree just proposed: its predicted accepted tokens
@@ -479,16 +477,14 @@ class TreeSizer:
 
     def _pace(self, kept: int) -> None:
         """After a tree that pays, no rest; after one that does not, rest ``_rest`` rounds (doubling up to
-        :data:`MAX_REST` while no tree pays; none for a drafter that never rests) and let the record drift back
-        toward trusting the drafter."""
+        :data:`MAX_REST` while no tree pays) and let the record drift back toward trusting the drafter."""
         if self.verify_cost is None:
             return
         if kept > 0:
             self._rest = 1
             return
-        if self.rests:
-            self._resting = self._rest
-            self._rest = min(2 * self._rest, MAX_REST)
+        self._resting = self._rest
+        self._rest = min(2 * self._rest, MAX_REST)
         self._expected *= TREE_DECAY
         self._observed *= TREE_DECAY
 

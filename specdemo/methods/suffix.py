@@ -32,10 +32,14 @@ from ..core.events import (
 from ..core.protocol import Proposal, RoundResult, TargetPass
 from ..core.tree import add_branch, best_path_first
 from .base import BuildContext, Method, heads_policy, tree_verify_cost
-from .draft_length import TreeSizer
+from .draft_length import TREE_DECAY, TreeSizer
 from .ngram import LookupBranch, NgramOptions
 
 logger = logging.getLogger(__name__)
+
+#: a tree's record of how well its counts predict acceptance is kept apart for matches of 1, 2, 3 and 4 or more
+#: tokens
+MATCH_BUCKETS = 4
 
 
 class SuffixDrafter:
@@ -67,7 +71,12 @@ class SuffixDrafter:
         self.factor = factor
         self.min_token_prob = min_token_prob
         self.own = PromptTree(max_depth)
-        self.sizer = TreeSizer(verify_cost, rests=False)  # a lookup costs microseconds: never sit a round out
+        self.sizer = TreeSizer(verify_cost)  # the cut that pays (this drafter keeps its own record, by match)
+        #: by length of the match (1, 2, 3, 4 or more): predicted and accepted tree tokens of recent rounds
+        #: (decayed), since a tree's counts after a short match promise more than they keep
+        self._predicted = [0.0] * MATCH_BUCKETS
+        self._accepted = [0.0] * MATCH_BUCKETS
+        self._last: tuple[int, float] | None = None  # the tree last proposed: its bucket and predicted tokens
         self._seconds: float | None = None  # drafting, seconds a round
 
     def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
@@ -84,12 +93,16 @@ class SuffixDrafter:
         if not self.tree:
             return Proposal(draft.tokens, None, 0.0, None, sources) if draft.tokens else Proposal()
         branch = self.lookup.propose(context, num_draft_tokens) if self.lookup is not None else ([], [])
-        ratio = self.sizer.calibration
+        bucket = min(max(draft.match_len, 1), MATCH_BUCKETS) - 1
+        ratio = (self._accepted[bucket] + 1.0) / (self._predicted[bucket] + 1.0)
         calibrated = [min(1.0, ratio * prob) for prob in draft.probs]  # the branch's rates are calibrated already
         tree = add_branch(draft.tokens, draft.parents, calibrated, *branch).cut(num_draft_tokens)
         tree = tree.cut(self.sizer.keep(tree.probs, time.perf_counter() - started, ratio=1.0))
         own_nodes = [node for node in tree.tree_nodes if node >= 0]
-        self.sizer.proposed(sum(draft.probs[node] for node in own_nodes), len(tree.tokens))
+        self._last = (bucket, sum(draft.probs[node] for node in own_nodes)) if own_nodes else None
+        if draft.tokens and not own_nodes:  # the record kept the tree out: let it drift back toward trusting it
+            self._predicted[bucket] *= TREE_DECAY
+            self._accepted[bucket] *= TREE_DECAY
         if not tree.tokens:
             return Proposal()
         order, parents = best_path_first(tree.parents)
@@ -113,10 +126,13 @@ class SuffixDrafter:
         path = result.verdict.accepted_nodes
         if self.lookup is not None:
             self.lookup.feedback([result.proposal.tokens[node] for node in path])
-        if self.tree and result.num_drafted:
+        if self.tree and result.num_drafted and self._last is not None:
             sources = result.proposal.sources or ()
             from_trees = sum(1 for node in path if node >= len(sources) or sources[node] != DRAFTED_BY_LOOKUP)
-            self.sizer.observe(result.num_drafted, from_trees)
+            bucket, predicted = self._last
+            self._predicted[bucket] = TREE_DECAY * self._predicted[bucket] + predicted
+            self._accepted[bucket] = TREE_DECAY * self._accepted[bucket] + from_trees
+        self._last = None
 
 
 @dataclass(frozen=True)
