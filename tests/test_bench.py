@@ -245,3 +245,20 @@ def test_bench_refuses_a_different_tokenizer_in_draft_mode(pair, prompt_file, tm
                        "--dtype", "float32", "--quiet", "--modes", "draft", "--warmup", "0"])
     err = capsys.readouterr().err
     assert code == 2 and "different tokenizer" in err and "uag" in err
+
+
+def test_bench_races_twice_with_a_memory_of_earlier_answers(pair, prompt_file, tmp_path, capsys):
+    """--passes 2 with the suffix memory on: every prompt twice in file order, the second pass drafting from the
+    first pass's answers (never a prompt's own answer within its pass), every output plain's; off: no memory."""
+    pytest.importorskip("arctic_inference.suffix_decoding._C", reason="the suffix mode needs arctic-inference")
+    report = _run(pair, prompt_file, tmp_path, "--modes", "plain,suffix", "--passes", "2")
+    assert "pass 2" in capsys.readouterr().out
+    assert report["config"]["passes"] == 2 and report["config"]["suffix_memory"] is True
+    assert [r["pass"] for r in report["results"] if r["mode"] == "suffix"] == [1, 1, 1, 2, 2, 2]
+    assert all(r["identical"] for r in report["results"])
+    assert report["suffix_memory"]["answers"] == 6 and set(report["by_pass"]) == {"pass 1", "pass 2"}
+    first, second = (report["by_pass"][name]["suffix"] for name in ("pass 1", "pass 2"))
+    assert second["accepted_by_source"]["earlier answer"] > 0 and second["acceptance_rate"] > first["acceptance_rate"]
+    off = _run(pair, prompt_file, tmp_path, "--modes", "plain,suffix", "--suffix-memory", "off")
+    assert off["suffix_memory"] is None and off["config"]["suffix_memory"] is False and "by_pass" not in off
+    assert bench.main(["--target", pair[0], "--prompts", str(prompt_file), "--passes", "9", "--quiet"]) == 2
