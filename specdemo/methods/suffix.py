@@ -77,7 +77,6 @@ class SuffixDrafter:
         self._predicted = [0.0] * MATCH_BUCKETS
         self._accepted = [0.0] * MATCH_BUCKETS
         self._last: tuple[int, float] | None = None  # the tree last proposed: its bucket and predicted tokens
-        self._seconds: float | None = None  # drafting, seconds a round
 
     def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
         self.own.start(prompt_ids)
@@ -93,22 +92,36 @@ class SuffixDrafter:
         if not self.tree:
             return Proposal(draft.tokens, None, 0.0, None, sources) if draft.tokens else Proposal()
         branch = self.lookup.propose(context, num_draft_tokens) if self.lookup is not None else ([], [])
-        bucket = min(max(draft.match_len, 1), MATCH_BUCKETS) - 1
-        ratio = (self._accepted[bucket] + 1.0) / (self._predicted[bucket] + 1.0)
-        calibrated = [min(1.0, ratio * prob) for prob in draft.probs]  # the branch's rates are calibrated already
-        tree = add_branch(draft.tokens, draft.parents, calibrated, *branch).cut(num_draft_tokens)
+        tree = add_branch(draft.tokens, draft.parents, self._calibrated(draft), *branch).cut(num_draft_tokens)
         tree = tree.cut(self.sizer.keep(tree.probs, time.perf_counter() - started, ratio=1.0))
-        own_nodes = [node for node in tree.tree_nodes if node >= 0]
-        self._last = (bucket, sum(draft.probs[node] for node in own_nodes)) if own_nodes else None
-        if draft.tokens and not own_nodes:  # the record kept the tree out: let it drift back toward trusting it
-            self._predicted[bucket] *= TREE_DECAY
-            self._accepted[bucket] *= TREE_DECAY
+        self._proposed(draft, [node for node in tree.tree_nodes if node >= 0])
         if not tree.tokens:
             return Proposal()
         order, parents = best_path_first(tree.parents)
         named = [sources[tree.tree_nodes[rank]] if tree.tree_nodes[rank] >= 0 else DRAFTED_BY_LOOKUP
                  for rank in order]
         return Proposal([tree.tokens[rank] for rank in order], None, 0.0, parents, named)
+
+    @staticmethod
+    def _bucket(draft: SuffixDraft) -> int:
+        """Which record of acceptance a draft after its match goes by."""
+        return min(max(draft.match_len, 1), MATCH_BUCKETS) - 1
+
+    def _calibrated(self, draft: SuffixDraft) -> list[float]:
+        """The draft's estimated probabilities scaled by the record of its match length (at most 1); the lookup
+        branch's rates are calibrated already."""
+        bucket = self._bucket(draft)
+        ratio = (self._accepted[bucket] + 1.0) / (self._predicted[bucket] + 1.0)
+        return [min(1.0, ratio * prob) for prob in draft.probs]
+
+    def _proposed(self, draft: SuffixDraft, kept: list[int]) -> None:
+        """Remember what the kept nodes of the draft predicted, for :meth:`feedback`; when the record kept none of
+        a draft, let it drift back toward trusting such drafts."""
+        bucket = self._bucket(draft)
+        self._last = (bucket, sum(draft.probs[node] for node in kept)) if kept else None
+        if draft.tokens and not kept:
+            self._predicted[bucket] *= TREE_DECAY
+            self._accepted[bucket] *= TREE_DECAY
 
     def _best_draft(self, context: Sequence[int], num_draft_tokens: int) -> tuple[SuffixDraft, list[str]]:
         """The draft of whichever tree expects more accepted tokens (the race's own on a tie), with each node's
