@@ -116,16 +116,18 @@ def test_the_memory_names_the_answer_a_draft_came_from_and_keeps_its_bounds():
     assert memory.remember([]) is None and memory.answers == 0
     assert memory.remember([1, 2, 3, 4, 5]) == 1
     assert memory.remember([7, 8, 9, 10]) == 2
-    draft, numbers = memory.speculate([0, 1, 2], DraftLimits(8, factor=2.0))
-    assert draft.tokens[:2] == [3, 4] and numbers[:2] == [1, 1]
+    draft = memory.speculate([0, 1, 2], DraftLimits(8, factor=2.0))
+    numbers = memory.answers_holding(draft, [0, 1, 2], range(2))
+    assert draft.tokens[:2] == [3, 4] and [numbers[0], numbers[1]] == [1, 1]
     assert memory.remember([20, 21, 22, 23]) == 3  # over two answers: the oldest is forgotten
     assert memory.answers == 2 and memory.tokens == 8
-    assert memory.speculate([0, 1, 2], DraftLimits(8, factor=2.0))[0].tokens == []
-    assert memory.speculate([0, 7, 8], DraftLimits(8, factor=2.0))[1][0] == 2
+    assert memory.speculate([0, 1, 2], DraftLimits(8, factor=2.0)).tokens == []
+    later = memory.speculate([0, 7, 8], DraftLimits(8, factor=2.0))
+    assert memory.answers_holding(later, [0, 7, 8], [0])[0] == 2
     memory.remember(list(range(100, 130)))  # longer than the bound: its first 12 tokens, alone
     assert memory.describe() == {"answers": 1, "tokens": 12, "max_answers": 2, "max_tokens": 12}
     memory.forget()
-    assert memory.answers == 0 and memory.speculate([100, 101], DraftLimits(4))[0].tokens == []
+    assert memory.answers == 0 and memory.speculate([100, 101], DraftLimits(4)).tokens == []
     assert memory.remember([1, 2]) == 5  # the numbering goes on: a hover never names two answers alike
 
 

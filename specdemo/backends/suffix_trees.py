@@ -21,7 +21,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..core.errors import InputError, first_line
 
@@ -61,12 +61,11 @@ def suffix_trees_available() -> bool:
 
 @dataclass(frozen=True)
 class DraftLimits:
-    """How much a tree drafts after a match: at most ``num_draft_tokens`` tokens and ``factor`` per matched token
-    (plus ``offset``), none less likely than ``min_token_prob``; a tree of candidates or one path."""
+    """How much a tree drafts after a match: at most ``num_draft_tokens`` tokens and ``factor`` per matched token,
+    none less likely than ``min_token_prob``; a tree of candidates or one path."""
 
     num_draft_tokens: int
     factor: float = 1.0
-    offset: float = 0.0
     min_token_prob: float = 0.1
     tree: bool = True
 
@@ -97,12 +96,13 @@ class SuffixDraft:
         return [tuple((matched + path)[-PROVENANCE_TOKENS:]) for path in paths]
 
 
-def speculate(tree: Any, context: Sequence[int], limits: DraftLimits) -> SuffixDraft:
-    """The draft ``tree`` proposes after ``context`` (the tree's depth of it at most is matched)."""
+def speculate(tree: Any, context: Sequence[int], limits: DraftLimits, max_depth: int) -> SuffixDraft:
+    """The draft ``tree`` (of ``max_depth``) proposes after ``context``, of which it matches the last ``max_depth``
+    tokens at most."""
     if limits.num_draft_tokens <= 0 or len(context) < 2:
         return SuffixDraft()
     native = tree.speculate(
-        [int(token) for token in context], limits.num_draft_tokens, limits.factor, limits.offset,
+        [int(token) for token in context[-max_depth:]], limits.num_draft_tokens, limits.factor, 0.0,
         limits.min_token_prob, limits.tree,
     )
     return SuffixDraft(list(native.token_ids), list(native.parents), list(native.probs), int(native.match_len))
@@ -147,7 +147,7 @@ class PromptTree:
             self._length = len(context)
 
     def speculate(self, context: Sequence[int], limits: DraftLimits) -> SuffixDraft:
-        return speculate(self._tree, context[-self.max_depth :], limits)
+        return speculate(self._tree, context, limits, self.max_depth)
 
     def from_prompt(self, key: Sequence[int]) -> bool:
         """Whether the tokens ``key`` (a drafted token after its context, see :meth:`SuffixDraft.keys`) occur in
@@ -219,21 +219,29 @@ class SuffixMemory:
             self._answers.clear()
             self._tokens = 0
 
-    def speculate(self, context: Sequence[int], limits: DraftLimits) -> tuple[SuffixDraft, list[int | None]]:
-        """The memory's draft after ``context`` and, for each node, the number of the latest remembered answer
-        holding it after its matched context (its parent's answer first; None where none does)."""
+    def speculate(self, context: Sequence[int], limits: DraftLimits) -> SuffixDraft:
+        """The memory's draft after ``context``."""
         with self._lock:
             if self._tree is None:
-                return SuffixDraft(), []
-            draft = speculate(self._tree, context[-self.max_depth :], limits)
-            numbers: list[int | None] = []
-            for key, parent in zip(draft.keys(context), draft.parents):
-                numbers.append(self._holding(key, numbers[parent] if parent >= 0 else None))
-            return draft, numbers
+                return SuffixDraft()
+            return speculate(self._tree, context, limits, self.max_depth)
+
+    def answers_holding(self, draft: SuffixDraft, context: Sequence[int], nodes: Iterable[int]
+                        ) -> dict[int, int | None]:
+        """For each of ``nodes`` of a draft of this memory's after ``context``, the number of the remembered
+        answer holding it after its matched context (its parent's answer first, else the latest that does; None
+        where none does, as after an eviction). Asked only of the nodes a round keeps: it searches the answers."""
+        keys = draft.keys(context)
+        numbers: dict[int, int | None] = {}
+        with self._lock:
+            for node in sorted(nodes):  # parents first
+                parent = draft.parents[node]
+                numbers[node] = self._holding(keys[node], numbers.get(parent) if parent >= 0 else None)
+        return numbers
 
     def _holding(self, key: Sequence[int], hint: int | None) -> int | None:
         """The remembered answer holding the tokens ``key``: ``hint`` when it does, else the latest that does."""
-        if hint is not None and holds(self._answers[hint], key):
+        if hint is not None and hint in self._answers and holds(self._answers[hint], key):
             return hint
         return next((number for number in reversed(self._answers) if holds(self._answers[number], key)), None)
 

@@ -189,7 +189,7 @@ class LookupBranch:
     def rates(self, matched: int = 1) -> list[float]:
         """The estimated chance of each position's token given that the ones before it were right, for a copy
         after an n-gram of ``matched`` tokens."""
-        bucket = _match_bucket(matched)
+        bucket = match_bucket(matched)
         return [a / t for a, t in zip(self._accepted[bucket], self._tested[bucket])]
 
     def propose(self, context: Sequence[int], num_draft_tokens: int) -> tuple[list[int], list[float]]:
@@ -200,7 +200,7 @@ class LookupBranch:
         self._score(self.index.tokens)
         self._tokens, matched = self.index.copy(num_draft_tokens)
         if self._tokens:
-            self._open.append((len(self.index.tokens), list(self._tokens), _match_bucket(matched)))
+            self._open.append((len(self.index.tokens), list(self._tokens), match_bucket(matched)))
         rates, probs, prob = self.rates(matched), [], 1.0
         for position in range(len(self._tokens)):
             prob *= rates[min(position, LOOKUP_DEPTHS - 1)]
@@ -234,9 +234,10 @@ class LookupBranch:
         return held
 
 
-def _match_bucket(matched: int) -> int:
-    """Which of a lookup branch's acceptance records a copy after an n-gram of ``matched`` tokens uses."""
-    return min(max(matched, 1), LOOKUP_MATCHES) - 1
+def match_bucket(matched: int, buckets: int = LOOKUP_MATCHES) -> int:
+    """Which of ``buckets`` acceptance records a draft after a match of ``matched`` tokens uses (the last one for
+    every longer match): a lookup branch's, or a suffix tree's."""
+    return min(max(matched, 1), buckets) - 1
 
 
 def _agreeing(first: Sequence[int], second: Sequence[int]) -> int:

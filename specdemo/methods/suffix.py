@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..backends.loading import LoadedModel
 from ..backends.suffix_trees import DEFAULT_MAX_DEPTH, DraftLimits, PromptTree, SuffixDraft, SuffixMemory, suffix_tree
@@ -33,7 +33,7 @@ from ..core.protocol import Proposal, RoundResult, TargetPass
 from ..core.tree import add_branch, best_path_first
 from .base import BuildContext, Method, heads_policy, tree_verify_cost
 from .draft_length import TREE_DECAY, TreeSizer
-from .ngram import LookupBranch, NgramOptions
+from .ngram import LookupBranch, NgramOptions, match_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -88,52 +88,61 @@ class SuffixDrafter:
         if num_draft_tokens <= 0:
             return Proposal()
         started = time.perf_counter()
-        draft, sources = self._best_draft(context, num_draft_tokens)
-        if not self.tree:
-            return Proposal(draft.tokens, None, 0.0, None, sources) if draft.tokens else Proposal()
+        draft, from_memory = self._best_draft(context, num_draft_tokens)
+        if not self.tree:  # a chain: all of it
+            if not draft.tokens:
+                return Proposal()
+            nodes = range(len(draft.tokens))
+            sources = self._sources(draft, from_memory, context, nodes)
+            return Proposal(draft.tokens, None, 0.0, None, [sources[node] for node in nodes])
         branch = self.lookup.propose(context, num_draft_tokens) if self.lookup is not None else ([], [])
         tree = add_branch(draft.tokens, draft.parents, self._calibrated(draft), *branch).cut(num_draft_tokens)
         tree = tree.cut(self.sizer.keep(tree.probs, time.perf_counter() - started, ratio=1.0))
-        self._proposed(draft, [node for node in tree.tree_nodes if node >= 0])
+        kept = [node for node in tree.tree_nodes if node >= 0]
+        self._proposed(draft, kept)
         if not tree.tokens:
             return Proposal()
+        sources = self._sources(draft, from_memory, context, kept)
         order, parents = best_path_first(tree.parents)
         named = [sources[tree.tree_nodes[rank]] if tree.tree_nodes[rank] >= 0 else DRAFTED_BY_LOOKUP
                  for rank in order]
         return Proposal([tree.tokens[rank] for rank in order], None, 0.0, parents, named)
 
-    @staticmethod
-    def _bucket(draft: SuffixDraft) -> int:
-        """Which record of acceptance a draft after its match goes by."""
-        return min(max(draft.match_len, 1), MATCH_BUCKETS) - 1
-
     def _calibrated(self, draft: SuffixDraft) -> list[float]:
         """The draft's estimated probabilities scaled by the record of its match length (at most 1); the lookup
         branch's rates are calibrated already."""
-        bucket = self._bucket(draft)
+        bucket = match_bucket(draft.match_len, MATCH_BUCKETS)
         ratio = (self._accepted[bucket] + 1.0) / (self._predicted[bucket] + 1.0)
         return [min(1.0, ratio * prob) for prob in draft.probs]
 
     def _proposed(self, draft: SuffixDraft, kept: list[int]) -> None:
         """Remember what the kept nodes of the draft predicted, for :meth:`feedback`; when the record kept none of
         a draft, let it drift back toward trusting such drafts."""
-        bucket = self._bucket(draft)
+        bucket = match_bucket(draft.match_len, MATCH_BUCKETS)
         self._last = (bucket, sum(draft.probs[node] for node in kept)) if kept else None
         if draft.tokens and not kept:
             self._predicted[bucket] *= TREE_DECAY
             self._accepted[bucket] *= TREE_DECAY
 
-    def _best_draft(self, context: Sequence[int], num_draft_tokens: int) -> tuple[SuffixDraft, list[str]]:
-        """The draft of whichever tree expects more accepted tokens (the race's own on a tie), with each node's
-        source."""
-        limits = DraftLimits(num_draft_tokens, self.factor, 0.0, self.min_token_prob, self.tree)
+    def _best_draft(self, context: Sequence[int], num_draft_tokens: int) -> tuple[SuffixDraft, bool]:
+        """The draft of whichever tree expects more accepted tokens (the race's own on a tie), and whether it is
+        the memory's."""
+        limits = DraftLimits(num_draft_tokens, self.factor, self.min_token_prob, self.tree)
         self.own.extend(context)
         own = self.own.speculate(context, limits)
-        remembered, numbers = self.memory.speculate(context, limits) if self.memory is not None else (SuffixDraft(), [])
-        if remembered.score > own.score:
-            return remembered, [EARLIER_ANSWER if n is None else drafted_from_answer(n) for n in numbers]
-        keys = own.keys(context)
-        return own, [DRAFTED_FROM_PROMPT if self.own.from_prompt(key) else DRAFTED_FROM_OUTPUT for key in keys]
+        remembered = self.memory.speculate(context, limits) if self.memory is not None else SuffixDraft()
+        return (remembered, True) if remembered.score > own.score else (own, False)
+
+    def _sources(self, draft: SuffixDraft, from_memory: bool, context: Sequence[int], nodes: Iterable[int]
+                 ) -> dict[int, str]:
+        """Where each of the draft's ``nodes`` came from (worked out for the nodes proposed only)."""
+        if from_memory:
+            assert self.memory is not None
+            numbers = self.memory.answers_holding(draft, context, nodes)
+            return {node: EARLIER_ANSWER if n is None else drafted_from_answer(n) for node, n in numbers.items()}
+        keys = draft.keys(context)
+        return {node: DRAFTED_FROM_PROMPT if self.own.from_prompt(keys[node]) else DRAFTED_FROM_OUTPUT
+                for node in nodes}
 
     def feedback(self, result: RoundResult) -> None:
         path = result.verdict.accepted_nodes

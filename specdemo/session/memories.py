@@ -56,8 +56,8 @@ class SuffixMemories:
         """What the visitor's memory holds (nothing, for a visitor without one)."""
         with self._lock:
             memory = self._memories.get(visitor)
-        if memory is None:
-            return {"answers": 0, "tokens": 0, "max_answers": self.limits.answers, "max_tokens": self.limits.tokens}
+        if memory is None:  # an empty one describes it (no tree is built before an answer)
+            memory = SuffixMemory(self.limits.answers, self.limits.tokens)
         return memory.describe()
 
     def remember(self, visitor: str, answer: list[int]) -> None:
