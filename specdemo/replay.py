@@ -30,7 +30,7 @@ import json
 import logging
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -45,7 +45,9 @@ from .core.loop import collect, speculative_decode
 from .core.protocol import Drafter, DraftLengthPolicy, TargetPass
 from .core.settings import GenerationSettings
 from .core.tree import tree_depths
-from .methods import SpecSettings
+from .backends.suffix_trees import SuffixMemory, suffix_trees_available
+from .methods import SpecSettings, make_spec_policy
+from .methods.base import BuildContext
 from .methods.draft_length import FixedDraftLength, make_policy
 from .methods.ngram import NGRAM_PREFERENCES, NgramDrafter
 from .session.results import read_plain_runs
@@ -294,6 +296,71 @@ def decode_speedups_on_curve(
     return rows
 
 
+#: the modes a replay can run: those that draft with no model (a model's drafts depend on its weights)
+REPLAYABLE_MODES = ("ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class ModeRow:
+    """A group of prompts replayed on a cost curve in each mode as the bench and the app run it: ``{mode: (decode
+    speedup after the prompt pass, tokens per target pass)}``."""
+
+    group: str
+    by_mode: dict[str, tuple[float, float]]
+
+
+def compare_modes_on_curve(
+    items: Sequence[ReplayItem], cost_curve: CostCurve, modes: Sequence[str] = REPLAYABLE_MODES,
+    memory: bool = False, spec: SpecSettings | None = None,
+) -> list[ModeRow]:
+    """Per category and over all (``"ALL"``): each of ``modes`` (:data:`REPLAYABLE_MODES`) replayed on
+    ``cost_curve`` with its own draft-length policy and ``spec``'s settings (the defaults if None). ``memory``:
+    suffix decoding remembers each prompt's answer after it, in file order, as the bench's ``--suffix-memory on``
+    does (one memory for the whole replay)."""
+    spec = spec or SpecSettings()
+    unknown = [mode for mode in modes if mode not in REPLAYABLE_MODES]
+    if unknown:
+        raise ValueError(f"the replay runs {', '.join(REPLAYABLE_MODES)} only, not {', '.join(unknown)}")
+    if "suffix" in modes and not suffix_trees_available():
+        raise ValueError("the suffix mode needs arctic-inference: python3 -m pip install --no-build-isolation "
+                         "--no-deps -r requirements-suffix.txt")
+    remembered = SuffixMemory() if memory and "suffix" in modes else None
+    runs: dict[str, dict[str, list[ReplayRun]]] = defaultdict(lambda: defaultdict(list))
+    for item in items:
+        settings = GenerationSettings(max_new_tokens=len(item.output_ids), stop_on_eos=False, collect_probs=False)
+        for mode in modes:
+            mode_spec = replace(spec, mode=mode)
+            policy = make_spec_policy(mode_spec, None, settings, prior=cost_curve)  # type: ignore[arg-type]
+            drafter = mode_spec.method.build(BuildContext(None, None, settings, mode_spec.options(), policy,
+                                                          remembered))  # type: ignore[arg-type]
+            run = replay_run(drafter, item.prompt_ids, item.output_ids, policy, cost_curve)
+            for group in (item.category, "ALL"):
+                runs[group][mode].append(run)
+        if remembered is not None:
+            remembered.remember(item.output_ids)
+    rows = []
+    for group in [g for g in runs if g != "ALL"] + ["ALL"]:
+        by_mode = {}
+        for mode, mode_runs in runs[group].items():
+            seconds = max(1e-12, sum(r.seconds for r in mode_runs))
+            passes = max(1, sum(r.passes - 1 for r in mode_runs))
+            by_mode[mode] = (sum(r.plain_seconds for r in mode_runs) / seconds,
+                             sum(r.new_tokens - 1 for r in mode_runs) / passes)
+        rows.append(ModeRow(group, by_mode))
+    return rows
+
+
+def format_mode_rows(rows: Sequence[ModeRow], memory: bool) -> str:
+    modes = list(rows[0].by_mode) if rows else []
+    lines = [f"each mode as the bench runs it, replayed on the same costs (suffix memory {'on' if memory else 'off'}): "
+             "decode speedup after the prompt pass, tokens per target pass",
+             f"{'category':<18}" + "".join(f"{mode:>18}" for mode in modes)]
+    for row in rows:
+        cells = "".join(f"{f'{speedup:.3f}x {tokens:.2f}':>18}" for speedup, tokens in row.by_mode.values())
+        lines.append(f"{row.group:<18}{cells}")
+    return "\n".join(lines)
+
+
 def format_curve_rows(rows: Sequence[CurveRow], cost_curve: CostCurve) -> str:
     relative = " / ".join(f"{r:.2f}" for r in cost_curve.relative[1:])
     lengths = "/".join(str(k) for k in cost_curve.lengths[1:])
@@ -346,6 +413,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cost-curve", type=Path, default=None,
                         help="a calibration (a bench JSON, a cached calibration or a recorded curve): replay the "
                              "n-gram mode on that machine's costs as well, with the adaptive draft length")
+    parser.add_argument("--modes", default=None,
+                        help=f"with --cost-curve: also replay these modes side by side, each with its own draft-length "
+                             f"policy (comma-separated, of: {', '.join(REPLAYABLE_MODES)})")
+    parser.add_argument("--suffix-memory", choices=("on", "off"), default="off",
+                        help="with --modes: suffix decoding remembers each answer for the prompts after it, in file "
+                             "order (as the bench's --suffix-memory on); default off")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -356,6 +429,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         items = load_items(args.results)
         table = tokens_per_pass(items, rules, args.num_draft_tokens)
         curve_rows = decode_speedups_on_curve(items, cost_curve, plain_prefill_shares(items)) if cost_curve else None
+        modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()] if args.modes else []
+        if modes and cost_curve is None:
+            raise ValueError("--modes needs --cost-curve: the modes are compared on a machine's costs")
+        mode_rows = compare_modes_on_curve(items, cost_curve, modes, args.suffix_memory == "on") if modes else None
     except (ValueError, OSError, ModelLoadError, OfflinePackError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -363,6 +440,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cost_curve is not None and curve_rows is not None:
         print()
         print(format_curve_rows(curve_rows, cost_curve))
+    if mode_rows is not None:
+        print()
+        print(format_mode_rows(mode_rows, args.suffix_memory == "on"))
     return 0
 
 

@@ -1,8 +1,10 @@
-"""Offline replay of n-gram rules: it counts the passes the engine makes, and reads bench JSONs."""
+"""Offline replay of n-gram rules and of the modes that draft with no model: it counts the passes the engine
+makes, and reads bench JSONs."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from tiny import qwen2, reference_greedy, save_tiny_pair
 
 from specdemo import bench, replay
 from specdemo.backends.loading import clear_model_cache
+from specdemo.backends.suffix_trees import suffix_trees_available
 from specdemo.backends.transformers_lm import CachedLM
 from specdemo.core.clock import SimulatedClock
 from specdemo.core.loop import collect, speculative_decode
@@ -179,3 +182,29 @@ def test_replay_cli_on_a_cost_curve(capsys, tmp_path: Path):
     bad.write_text(json.dumps({"calibration": None}))
     assert replay.main([str(CODE_EDITING_RUN), "--cost-curve", str(bad)]) == 2
     assert "not a cost curve" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not suffix_trees_available(), reason="the suffix mode needs arctic-inference")
+def test_modes_compared_on_a_cost_curve(capsys, tmp_path: Path):
+    """n-gram and suffix decoding replayed side by side on one curve, each with its own policy: on code editing's
+    recorded outputs both beat plain decoding, and the memory (each answer remembered for the prompts after it)
+    changes nothing on a run of distinct prompts when it is off."""
+    curve = replay.load_cost_curve(AVX2_INT8_CURVE)
+    items = replay.load_items(CODE_EDITING_RUN)
+    rows = {row.group: row for row in replay.compare_modes_on_curve(items, curve)}
+    for mode in ("ngram", "suffix"):
+        speedup, tokens = rows["code-editing"].by_mode[mode]
+        assert speedup > 1.5 and tokens > 2.0, (mode, speedup, tokens)
+    assert rows["ALL"].by_mode == {row.group: row for row in replay.compare_modes_on_curve(items, curve)}["ALL"].by_mode
+    twice = items + [replace(item, id=item.id + "#2") for item in items]  # the same prompts raced again
+    remembered = {row.group: row for row in replay.compare_modes_on_curve(twice, curve, ("suffix",), memory=True)}
+    assert remembered["ALL"].by_mode["suffix"][1] > rows["ALL"].by_mode["suffix"][1] + 1.0
+
+    assert replay.main([str(CODE_EDITING_RUN), "--cost-curve", str(AVX2_INT8_CURVE), "--modes", "ngram,suffix",
+                        "--suffix-memory", "on"]) == 0
+    out = capsys.readouterr().out
+    assert "suffix memory on" in out and "code-editing" in out
+    assert replay.main([str(CODE_EDITING_RUN), "--modes", "suffix"]) == 2
+    assert "--modes needs --cost-curve" in capsys.readouterr().err
+    assert replay.main([str(CODE_EDITING_RUN), "--cost-curve", str(AVX2_INT8_CURVE), "--modes", "eagle"]) == 2
+    assert "ngram, suffix only" in capsys.readouterr().err

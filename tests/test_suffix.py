@@ -17,9 +17,12 @@ from specdemo.backends.loading import LoadedModel, LoadSettings
 from specdemo.backends.suffix_trees import DraftLimits, PromptTree, SuffixMemory, suffix_trees_available
 from specdemo.core.errors import InputError
 from specdemo.core.events import EARLIER_ANSWER, TokenEvent, answer_number, drafted_from_answer, source_kind
+from specdemo.core.acceptance import Verdict
 from specdemo.core.loop import collect
+from specdemo.core.protocol import RoundResult
 from specdemo.core.settings import GenerationSettings
 from specdemo.methods import METHODS, SpecSettings
+from specdemo.methods.suffix import SuffixDrafter
 from specdemo.render.views import token_title
 from specdemo.session.memories import MemoryLimits, SuffixMemories
 from specdemo.session.pipeline import plain_events, spec_events
@@ -129,6 +132,24 @@ def test_the_memory_names_the_answer_a_draft_came_from_and_keeps_its_bounds():
     memory.forget()
     assert memory.answers == 0 and memory.speculate([100, 101], DraftLimits(4)).tokens == []
     assert memory.remember([1, 2]) == 5  # the numbering goes on: a hover never names two answers alike
+
+
+def test_a_memory_whose_drafts_fail_loses_to_the_races_own_tree():
+    """The memory's counts and the race's own are each judged by their own record: a memory that matches longer
+    but keeps drafting what the target does not write stops winning over the race's own tree."""
+    memory = SuffixMemory()
+    memory.remember([50, 51, 1, 2, 30, 31, 32, 33])  # after (50 51 1 2) an earlier answer went on with 30 31 ...
+    drafter = SuffixDrafter(memory, tree=True)
+    prompt = [40, 1, 2, 3, 4, 41]  # ... where this race's prompt holds (1 2) then 3 4
+    drafter.start(prompt)
+    context = prompt + [50, 51, 1, 2]
+    chosen = []
+    for _ in range(8):
+        proposal = drafter.propose(context, 4)
+        chosen.append(proposal.sources[0])
+        written = 2 if proposal.tokens[:2] == [3, 4] else 0  # the target writes 3 4
+        drafter.feedback(RoundResult(proposal, Verdict(written, 41, tuple(range(written)))))
+    assert chosen[0] == drafted_from_answer(1) and chosen[-4:] == ["prompt"] * 4
 
 
 def test_where_a_token_came_from_is_in_the_hover_and_the_counters():

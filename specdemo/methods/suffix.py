@@ -42,6 +42,29 @@ logger = logging.getLogger(__name__)
 MATCH_BUCKETS = 4
 
 
+class _MatchRecord:
+    """One tree's record of how well its counts predict acceptance, apart for matches of 1, 2, 3 and 4 or more
+    tokens: predicted and accepted tree tokens of recent rounds (decayed)."""
+
+    def __init__(self) -> None:
+        self.predicted = [0.0] * MATCH_BUCKETS
+        self.accepted = [0.0] * MATCH_BUCKETS
+
+    def ratio(self, match_len: int) -> float:
+        """Accepted over predicted tokens after a match of ``match_len`` tokens (1 before anything is known)."""
+        bucket = match_bucket(match_len, MATCH_BUCKETS)
+        return (self.accepted[bucket] + 1.0) / (self.predicted[bucket] + 1.0)
+
+    def observe(self, bucket: int, predicted: float, accepted: int) -> None:
+        self.predicted[bucket] = TREE_DECAY * self.predicted[bucket] + predicted
+        self.accepted[bucket] = TREE_DECAY * self.accepted[bucket] + accepted
+
+    def decay(self, bucket: int) -> None:
+        """A round that kept none of this tree's draft: drift back toward trusting it."""
+        self.predicted[bucket] *= TREE_DECAY
+        self.accepted[bucket] *= TREE_DECAY
+
+
 class SuffixDrafter:
     """Drafts from the race's own suffix tree (its prompt and output) and from ``memory`` (earlier answers; None:
     the race's own tree only). ``tree``: draft a tree of candidates (greedy runs), else one path. ``verify_cost``
@@ -72,11 +95,11 @@ class SuffixDrafter:
         self.min_token_prob = min_token_prob
         self.own = PromptTree(max_depth)
         self.sizer = TreeSizer(verify_cost)  # the cut that pays (this drafter keeps its own record, by match)
-        #: by length of the match (1, 2, 3, 4 or more): predicted and accepted tree tokens of recent rounds
-        #: (decayed), since a tree's counts after a short match promise more than they keep
-        self._predicted = [0.0] * MATCH_BUCKETS
-        self._accepted = [0.0] * MATCH_BUCKETS
-        self._last: tuple[int, float] | None = None  # the tree last proposed: its bucket and predicted tokens
+        #: per tree (the race's own, the memory) and length of the match (1, 2, 3, 4 or more): predicted and accepted
+        #: tree tokens of recent rounds (decayed), since a tree's counts after a short match promise more than they
+        #: keep, and the memory's counts (other answers) promise differently from the race's own
+        self._record = {tree: _MatchRecord() for tree in (False, True)}
+        self._last: tuple[bool, int, float] | None = None  # the tree last proposed: memory?, bucket, predicted
 
     def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
         self.own.start(prompt_ids)
@@ -96,10 +119,11 @@ class SuffixDrafter:
             sources = self._sources(draft, from_memory, context, nodes)
             return Proposal(draft.tokens, None, 0.0, None, [sources[node] for node in nodes])
         branch = self.lookup.propose(context, num_draft_tokens) if self.lookup is not None else ([], [])
-        tree = add_branch(draft.tokens, draft.parents, self._calibrated(draft), *branch).cut(num_draft_tokens)
+        calibrated = self._calibrated(draft, from_memory)
+        tree = add_branch(draft.tokens, draft.parents, calibrated, *branch).cut(num_draft_tokens)
         tree = tree.cut(self.sizer.keep(tree.probs, time.perf_counter() - started, ratio=1.0))
         kept = [node for node in tree.tree_nodes if node >= 0]
-        self._proposed(draft, kept)
+        self._proposed(draft, from_memory, kept)
         if not tree.tokens:
             return Proposal()
         sources = self._sources(draft, from_memory, context, kept)
@@ -108,30 +132,32 @@ class SuffixDrafter:
                  for rank in order]
         return Proposal([tree.tokens[rank] for rank in order], None, 0.0, parents, named)
 
-    def _calibrated(self, draft: SuffixDraft) -> list[float]:
-        """The draft's estimated probabilities scaled by the record of its match length (at most 1); the lookup
-        branch's rates are calibrated already."""
-        bucket = match_bucket(draft.match_len, MATCH_BUCKETS)
-        ratio = (self._accepted[bucket] + 1.0) / (self._predicted[bucket] + 1.0)
+    def _calibrated(self, draft: SuffixDraft, from_memory: bool) -> list[float]:
+        """The draft's estimated probabilities scaled by its tree's record at its match length (at most 1); the
+        lookup branch's rates are calibrated already."""
+        ratio = self._record[from_memory].ratio(draft.match_len)
         return [min(1.0, ratio * prob) for prob in draft.probs]
 
-    def _proposed(self, draft: SuffixDraft, kept: list[int]) -> None:
+    def _proposed(self, draft: SuffixDraft, from_memory: bool, kept: list[int]) -> None:
         """Remember what the kept nodes of the draft predicted, for :meth:`feedback`; when the record kept none of
         a draft, let it drift back toward trusting such drafts."""
         bucket = match_bucket(draft.match_len, MATCH_BUCKETS)
-        self._last = (bucket, sum(draft.probs[node] for node in kept)) if kept else None
+        self._last = (from_memory, bucket, sum(draft.probs[node] for node in kept)) if kept else None
         if draft.tokens and not kept:
-            self._predicted[bucket] *= TREE_DECAY
-            self._accepted[bucket] *= TREE_DECAY
+            self._record[from_memory].decay(bucket)
 
     def _best_draft(self, context: Sequence[int], num_draft_tokens: int) -> tuple[SuffixDraft, bool]:
-        """The draft of whichever tree expects more accepted tokens (the race's own on a tie), and whether it is
-        the memory's."""
+        """The draft of whichever tree expects more accepted tokens by its calibrated counts (the race's own on a
+        tie), and whether it is the memory's."""
         limits = DraftLimits(num_draft_tokens, self.factor, self.min_token_prob, self.tree)
         self.own.extend(context)
         own = self.own.speculate(context, limits)
-        remembered = self.memory.speculate(context, limits) if self.memory is not None else SuffixDraft()
-        return (remembered, True) if remembered.score > own.score else (own, False)
+        if self.memory is None:
+            return own, False
+        remembered = self.memory.speculate(context, limits)
+        own_score = self._record[False].ratio(own.match_len) * own.score
+        remembered_score = self._record[True].ratio(remembered.match_len) * remembered.score
+        return (remembered, True) if remembered_score > own_score else (own, False)
 
     def _sources(self, draft: SuffixDraft, from_memory: bool, context: Sequence[int], nodes: Iterable[int]
                  ) -> dict[int, str]:
@@ -151,9 +177,8 @@ class SuffixDrafter:
         if self.tree and result.num_drafted and self._last is not None:
             sources = result.proposal.sources or ()
             from_trees = sum(1 for node in path if node >= len(sources) or sources[node] != DRAFTED_BY_LOOKUP)
-            bucket, predicted = self._last
-            self._predicted[bucket] = TREE_DECAY * self._predicted[bucket] + predicted
-            self._accepted[bucket] = TREE_DECAY * self._accepted[bucket] + from_trees
+            from_memory, bucket, predicted = self._last
+            self._record[from_memory].observe(bucket, predicted, from_trees)
         self._last = None
 
 
