@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from ..core.files import atomic_path
+from .batch_generation import generate_batch
 from .corpus import (
     CHAT_PROMPTS_VERSION,
     PASSAGE_PROMPTS_VERSION,
@@ -264,7 +265,7 @@ def generate_answers(loaded: LoadedModel, spec: CorpusSpec, path: Path, start_fr
     batches (left padding) and appended to ``path`` (JSON lines) batch by batch, so a restart carries on where it
     stopped. ``start_from``: another answers file with the same key, copied first when ``path`` does not exist
     yet. Answers the file holds beyond ``prompts`` are kept there and not returned."""
-    model, tokenizer = loaded.model, loaded.tokenizer
+    tokenizer = loaded.tokenizer
     if prompts is None:
         prompts = training_prompts(spec.answers, stdlib_files(), spec.seed)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -276,27 +277,13 @@ def generate_answers(loaded: LoadedModel, spec: CorpusSpec, path: Path, start_fr
     headers = [chat_header(tokenizer, prompt.text) for prompt in prompts]
     # similar prompt lengths share a batch (less padding); the index keeps the seeded order
     todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: (len(headers[i]), i))
-    stop_ids = set(loaded.eos_token_ids)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
-    device = next(model.parameters()).device
     with tqdm(total=len(prompts), initial=len(done), desc="target answering training prompts", unit="answer") as bar:
         for start in range(0, len(todo), spec.generation_batch):
             batch = todo[start : start + spec.generation_batch]
-            width = max(len(headers[i]) for i in batch)
-            ids = torch.tensor([[pad_id] * (width - len(headers[i])) + headers[i] for i in batch], device=device)
-            mask = torch.tensor([[0] * (width - len(headers[i])) + [1] * len(headers[i]) for i in batch],
-                                device=device)
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=spec.answer_tokens,
-                                 do_sample=False, pad_token_id=pad_id)
-            rows = []
-            for row, i in zip(out[:, width:].tolist(), batch):
-                answer = []
-                for token in row:
-                    answer.append(token)
-                    if token in stop_ids:
-                        break
-                rows.append({"index": i, "kind": prompts[i].kind, "prompt": prompts[i].text, "answer_ids": answer,
-                             "answer": tokenizer.decode(answer, skip_special_tokens=True)})
+            answers = generate_batch(loaded, [headers[i] for i in batch], spec.answer_tokens, loaded.eos_token_ids)
+            rows = [{"index": i, "kind": prompts[i].kind, "prompt": prompts[i].text, "answer_ids": answer,
+                     "answer": tokenizer.decode(answer, skip_special_tokens=True)}
+                    for i, (answer, _) in zip(batch, answers)]
             with path.open("a") as handle:
                 for row in rows:
                     handle.write(json.dumps(row) + "\n")

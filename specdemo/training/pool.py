@@ -1,0 +1,251 @@
+"""Build the training pool and the target's answers to it, run by run: ``python -m specdemo.training.pool``.
+
+Three phases, each resumable and each stored under ``assets/training/pool/`` so that a run on another machine
+starts from what earlier runs wrote (commit the folder after a run):
+
+1. **templated**: ``--templated N`` prompts (:func:`~.prompt_pool.templated_prompts`), stored once;
+2. **requests**: up to ``--requests N`` requests written by the target (:mod:`.magpie`), appended to the pool
+   batch by batch when they are not near-identical to a prompt it holds;
+3. **answers**: the target's greedy answers (at most ``--answer-tokens``) to every prompt of the pool, in batches of
+   ``--batch`` (``auto``: the size that wrote the most tokens per second here, measured first), appended answer
+   batch by answer batch to ``answers-TARGET-FORMAT-TOKENS``, sealed into shards of
+   :data:`~.row_shards.ROWS_PER_SHARD`.
+
+``--time-budget-minutes`` stops between batches once spent; rerun the command to go on. Each run appends what it
+did (phase, machine, seconds, rows, tokens per second) to ``runs.jsonl`` beside the pool, the record
+``docs/eagle-training.md`` quotes. Run it alone on the machine: it keeps both cores busy for hours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+from .batch_generation import fastest_batch_size, generate_batch
+from .common import chat_header
+from .magpie import write_requests
+from .prompt_pool import POOL_FOLDER, PoolPrompt, pool_index, pool_shards, read_pool, store_templated
+from .row_shards import RowShards
+
+if TYPE_CHECKING:
+    from ..backends.loading import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+#: unanswered prompts looked at together: sorted by length within such a window, so a batch pads little while the
+#: answers still come roughly in index order (a stopped run leaves a prefix answered, held-out rows included)
+WINDOW_BATCHES = 8
+#: a request batch (sampled; most samples are kept)
+REQUEST_BATCH = 32
+#: batches in a row that kept no request before the phase gives up (a model that cannot write requests this way)
+MAX_BARREN_BATCHES = 10
+
+
+@dataclass
+class PoolSettings:
+    target: str = "offline:qwen2.5-coder-1.5b"
+    dtype: str = "bfloat16"
+    seed: int = 0
+    templated: int = 10000
+    requests: int = 2500
+    answer_tokens: int = 256
+    batch: str = "auto"
+    time_budget_minutes: float | None = None
+    folder: Path = POOL_FOLDER
+    phases: tuple[str, ...] = ("templated", "requests", "answers")
+
+
+def answers_name(target: str, fmt: str, answer_tokens: int) -> str:
+    """The shard name of the target's answers in a format: ``answers-qwen2.5-coder-1.5b-bfloat16-256``."""
+    slug = target.rsplit(":", 1)[-1].rstrip("/").rsplit("/", 1)[-1]
+    return f"answers-{slug}-{fmt}-{answer_tokens}"
+
+
+def answer_shards(settings: PoolSettings, fmt: str | None = None) -> RowShards:
+    return RowShards(settings.folder, answers_name(settings.target, fmt or settings.dtype, settings.answer_tokens))
+
+
+def read_answers(settings: PoolSettings, prompts: list[PoolPrompt]) -> dict[int, dict]:
+    """The stored answers to the pool's prompts, by index (an answer to another prompt text is ignored)."""
+    return {index: row for index, row in answer_shards(settings).rows().items()
+            if index < len(prompts) and row.get("prompt") == prompts[index].text}
+
+
+class Deadline:
+    def __init__(self, minutes: float | None) -> None:
+        self.at = None if minutes is None else time.monotonic() + 60.0 * minutes
+
+    @property
+    def passed(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+
+def add_requests(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadline) -> dict:
+    """Phase 2: requests written by the target until the pool holds ``settings.requests`` of them."""
+    prompts = read_pool(settings.folder)
+    index = pool_index(prompts)
+    shards = pool_shards(settings.folder)
+    have = sum(prompt.kind == "request" for prompt in prompts)
+    # where the last run's sampling got to: every batch samples REQUEST_BATCH, kept or not
+    sampled = max([int(p.source.rsplit("#", 1)[1]) + 1 for p in prompts if p.kind == "request"], default=0)
+    sampled = -(-sampled // REQUEST_BATCH) * REQUEST_BATCH
+    started, kept, dropped, barren = time.perf_counter(), 0, 0, 0
+    with tqdm(total=settings.requests, initial=have, desc="target writing requests", unit="request") as bar:
+        while have < settings.requests and not deadline.passed:
+            if barren >= MAX_BARREN_BATCHES:
+                raise ValueError(f"the target wrote no usable request in {barren} batches in a row: its chat template "
+                                 "may not suit requests written this way")
+            written = write_requests(loaded, REQUEST_BATCH, settings.seed, start=sampled)
+            rows = []
+            for number, (domain, text) in enumerate(written):
+                if index.closest(text) is not None:
+                    dropped += 1
+                    continue
+                index.add(text)
+                prompt = PoolPrompt("request", f"magpie:{domain}#{sampled + number}", text)
+                rows.append(prompt.row(len(prompts)))
+                prompts.append(prompt)
+            shards.append(rows)
+            barren = 0 if rows else barren + 1
+            sampled += REQUEST_BATCH
+            have += len(rows)
+            kept += len(rows)
+            bar.update(len(rows))
+    return {"phase": "requests", "rows": kept, "near_identical_dropped": dropped,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadline) -> dict:
+    """Phase 3: the target's greedy answers to every prompt of the pool not answered yet."""
+    prompts = read_pool(settings.folder)
+    done = read_answers(settings, prompts)
+    tokenizer = loaded.tokenizer
+    todo = [i for i in range(len(prompts)) if i not in done]
+    if not todo:
+        return {"phase": "answers", "rows": 0, "seconds": 0.0}
+    headers = {i: chat_header(tokenizer, prompts[i].text) for i in todo}
+    batch, rates = _batch_size(loaded, settings, [headers[i] for i in todo])
+    shards = answer_shards(settings)
+    stops = loaded.eos_token_ids
+    started, written, tokens = time.perf_counter(), 0, 0
+    with tqdm(total=len(prompts), initial=len(done), desc="target answering the pool", unit="answer") as bar:
+        for window_start in range(0, len(todo), batch * WINDOW_BATCHES):
+            window = sorted(todo[window_start : window_start + batch * WINDOW_BATCHES],
+                            key=lambda i: (len(headers[i]), i))
+            for start in range(0, len(window), batch):
+                if deadline.passed:
+                    break
+                chunk = window[start : start + batch]
+                answers = generate_batch(loaded, [headers[i] for i in chunk], settings.answer_tokens, stops)
+                shards.append({"index": i, "kind": prompts[i].kind, "prompt": prompts[i].text, "answer_ids": ids}
+                              for i, (ids, _) in zip(chunk, answers))
+                written += len(chunk)
+                tokens += sum(len(ids) for ids, _ in answers)
+                bar.update(len(chunk))
+            if deadline.passed:
+                break
+    seconds = time.perf_counter() - started
+    return {"phase": "answers", "rows": written, "tokens": tokens, "seconds": round(seconds, 1),
+            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "batch": batch, "batch_rates": rates}
+
+
+def _batch_size(loaded: "LoadedModel", settings: PoolSettings, headers: list[list[int]]) -> tuple[int, dict]:
+    if settings.batch != "auto":
+        return int(settings.batch), {}
+    batch, rates = fastest_batch_size(loaded, headers)
+    logger.info("answering in batches of %d (tokens per second by batch size: %s)", batch,
+                ", ".join(f"{size}: {rate:.1f}" for size, rate in rates.items()))
+    return batch, {str(size): round(rate, 1) for size, rate in rates.items()}
+
+
+def machine() -> str:
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            name = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} ({os.cpu_count()} cores)"
+
+
+def record_run(settings: PoolSettings, phase_report: dict) -> None:
+    """Append a phase's report to ``runs.jsonl`` beside the pool."""
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(), "target": settings.target,
+             "format": settings.dtype, "command": "python -m specdemo.training.pool " + " ".join(sys.argv[1:]),
+             **phase_report}
+    settings.folder.mkdir(parents=True, exist_ok=True)
+    with (settings.folder / "runs.jsonl").open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(entry) + "\n")
+
+
+def build(settings: PoolSettings) -> list[dict]:
+    """Run the phases asked for, in order, within the time budget; each phase's report."""
+    from ..backends.loading import LoadSettings, load_model
+
+    deadline = Deadline(settings.time_budget_minutes)
+    reports = []
+    if "templated" in settings.phases:
+        started = time.perf_counter()
+        before = len(read_pool(settings.folder))
+        prompts = store_templated(settings.templated, settings.seed, settings.folder)
+        if len(prompts) > before:
+            reports.append({"phase": "templated", "rows": len(prompts) - before,
+                            "seconds": round(time.perf_counter() - started, 1)})
+    if not {"requests", "answers"} & set(settings.phases):
+        return reports
+    loaded = load_model(settings.target, LoadSettings(dtype=settings.dtype), progress=True)
+    if "requests" in settings.phases and not deadline.passed:
+        reports.append(add_requests(loaded, settings, deadline))
+    if "answers" in settings.phases and not deadline.passed:
+        reports.append(answer_pool(loaded, settings, deadline))
+    return reports
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = PoolSettings()
+    parser = argparse.ArgumentParser(prog="python -m specdemo.training.pool", description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default=defaults.target)
+    parser.add_argument("--dtype", default=defaults.dtype, help="the target's number format while answering")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--templated", type=int, default=defaults.templated, help="templated prompts in the pool")
+    parser.add_argument("--requests", type=int, default=defaults.requests,
+                        help="requests written by the target in the pool")
+    parser.add_argument("--answer-tokens", type=int, default=defaults.answer_tokens)
+    parser.add_argument("--batch", default=defaults.batch, help="prompts answered at once, or auto (measured)")
+    parser.add_argument("--time-budget-minutes", type=float, default=None)
+    parser.add_argument("--folder", type=Path, default=defaults.folder, help="where the pool is stored")
+    parser.add_argument("--phases", default=",".join(defaults.phases),
+                        help="which of templated, requests, answers to run (comma-separated)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    phases = tuple(p.strip() for p in args.phases.split(",") if p.strip())
+    unknown = set(phases) - set(defaults.phases)
+    if unknown or (args.batch != "auto" and not args.batch.isdigit()):
+        print(f"error: unknown phases {sorted(unknown)}" if unknown else "error: --batch takes a number or auto",
+              file=sys.stderr)
+        return 2
+    settings = PoolSettings(args.target, args.dtype, args.seed, args.templated, args.requests, args.answer_tokens,
+                            args.batch, args.time_budget_minutes, args.folder, phases)
+    try:
+        reports = build(settings)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for report in reports:
+        record_run(settings, report)
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
