@@ -106,7 +106,7 @@ def test_templated_prompts_cover_every_kind_in_their_shares_and_are_distinct(mon
     prompts = prompt_pool.templated_prompts(200, seed=0)
     assert len(prompts) == 200 and len({p.text for p in prompts}) == 200
     kinds = {p.kind for p in prompts}
-    assert {"code writing", "code editing", "summary", "translation", "passage question", "extraction",
+    assert {"code writing", "code editing", "summary", "translation", "passage question", "passage extraction",
             "retrieval"} <= kinds and len(kinds) >= 14  # the chat kinds too
     assert 15 <= sum(p.kind == "retrieval" for p in prompts) <= 25
     retrieval = next(p for p in prompts if p.kind == "retrieval")

@@ -121,6 +121,7 @@ def add_requests(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadli
             have += len(rows)
             kept += len(rows)
             bar.update(len(rows))
+    shards.seal(only_full=False)
     return {"phase": "requests", "rows": kept, "near_identical_dropped": dropped,
             "seconds": round(time.perf_counter() - started, 1)}
 
@@ -154,6 +155,7 @@ def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
                 bar.update(len(chunk))
             if deadline.passed:
                 break
+    shards.seal(only_full=False)  # what this run wrote goes into a shard of its own: nothing is left unsealed
     seconds = time.perf_counter() - started
     return {"phase": "answers", "rows": written, "tokens": tokens, "seconds": round(seconds, 1),
             "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "batch": batch, "batch_rates": rates}

@@ -56,7 +56,7 @@ POOL_NAME = "prompts"
 #: the share of each templated kind (a kind without material, say no manual pages, gives its share to the rest)
 TEMPLATED_SHARES = {
     "chat": 0.30, "code writing": 0.12, "code editing": 0.12, "summary": 0.10, "translation": 0.08,
-    "passage question": 0.10, "extraction": 0.08, "retrieval": 0.10,
+    "passage question": 0.10, "passage extraction": 0.08, "retrieval": 0.10,
 }
 #: the seed namespace of the pool's chat prompts (the older chat-answers set used seed 0)
 CHAT_SEED_OFFSET = 1000
@@ -178,7 +178,7 @@ def _makers(material: _Material, seed: int) -> dict[str, Callable[[int], PoolPro
             "summary": quoted("summary", SUMMARY_ASKS),
             "translation": quoted("translation", TRANSLATION_ASKS, PASSAGE_WORDS // 2),
             "passage question": quoted("passage question", QUESTION_ASKS),
-            "extraction": quoted("extraction", EXTRACTION_ASKS),
+            "passage extraction": quoted("passage extraction", EXTRACTION_ASKS),
             "retrieval": retrieval,
         })
     return makers
