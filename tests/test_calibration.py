@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import replace
 
 import pytest
 import torch
@@ -79,6 +80,21 @@ def test_dict_round_trip_keeps_everything() -> None:
     assert CostCurve.from_dict(data) == AVX2_BF16
 
 
+def test_a_pass_is_shown_beside_its_floor_the_weights_bytes_over_the_bandwidth() -> None:
+    model = llama(3)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert formats.weight_bytes_per_pass(model) == 4 * linear  # float32, no biases; the embedding table not counted
+    int8 = formats.weight_bytes_per_pass(formats.to_int8_format(llama(3), formats.W8A8))
+    assert linear <= int8 < 1.2 * linear  # one byte a weight, and its scales
+    curve = replace(AVX2_BF16, weight_bytes=3_000_000_000, bandwidth_bytes_per_s=20e9)
+    assert curve.floor_seconds == pytest.approx(0.15)
+    assert "3.00 GB of weights" in curve.describe_floor() and "20.0 GB/s" in curve.describe_floor()
+    assert AVX2_BF16.floor_seconds is None and AVX2_BF16.describe_floor() is None and "floor" not in AVX2_BF16.summary()
+    assert CostCurve.from_dict(json.loads(json.dumps(curve.as_dict()))) == curve
+    choice = calibration.FormatChoice("bfloat16", "test", {"bfloat16": curve})
+    assert f"(floor 150 ms: {curve.seconds[0] / 0.15:.1f}x)" in choice.summary()
+
+
 def test_detect_hardware_on_this_cpu() -> None:
     hardware = detect_hardware(torch.device("cpu"))
     assert hardware.device == "cpu" and hardware.name and hardware.threads >= 1
@@ -108,6 +124,8 @@ def test_calibrate_measures_once_then_reads_the_cache(tmp_path, monkeypatch: pyt
     assert len(measured) == 1 and not first.from_cache
     assert first.lengths == [1, 2, 4, 8, 16] and all(s > 0 for s in first.seconds)
     assert first.draft_seconds_per_token > 0 and first.dtype == "float32" and first.target == "tiny:target"
+    assert first.weight_bytes == formats.weight_bytes_per_pass(target.model) and first.bandwidth_bytes_per_s > 1e8
+    assert "x the floor" in first.summary() and first.floor_seconds < first.seconds[0] * 100
     again = calibrate(target, draft, folder=tmp_path)
     assert len(measured) == 1 and again.from_cache and again.seconds == first.seconds
     assert calibrate(target, None, folder=tmp_path).draft_seconds_per_token is None  # another key: measured

@@ -319,6 +319,27 @@ def test_chat_answers_join_the_corpus_and_a_larger_set_extends_the_answers_of_a_
     assert again[0]["prompt"] == rows[0]["prompt"] and again[0]["answer_ids"] == rows[0]["answer_ids"]
 
 
+def test_the_pools_stored_answers_join_the_corpus_and_a_missing_one_is_refused(pair, tmp_path, monkeypatch):
+    from specdemo.training import pool
+    from specdemo.training.prompt_pool import PoolPrompt, pool_shards
+
+    monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")
+    folder = tmp_path / "pool"
+    prompts = [PoolPrompt("request", f"magpie:test#{i}", f"Tell me fact number {i} about the sea.") for i in range(8)]
+    pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts))
+    settings = tiny_settings(tmp_path, pair, answers=0, pool_answers=7, pool_folder=folder, epochs=1)
+    with pytest.raises(ValueError, match="7 of the pool's first 7 prompts have no stored answer"):
+        train(settings)
+    assert pool.main(["--target", pair, "--dtype", "float32", "--answer-tokens", "20", "--batch", "4", "--folder",
+                      str(folder), "--phases", "answers"]) == 0
+    report = train(settings)
+    counts = report["pool_answers"]
+    assert counts["training_sequences"] + counts["held_out_sequences"] <= 7 and counts["kinds"] == {"request": 7}
+    assert counts["held_out_sequences"] >= 1 and counts["answer_positions"] > 7  # prompts 0 and 3 held out
+    figures = report["held_out"]["pool_answers"]
+    assert len(figures["top1_per_step"]) == 3 and all(0.0 <= a <= 1.0 for a in figures["top1_per_step"])
+
+
 def test_passage_prompts_quote_the_chat_answer_of_their_index_and_none_is_a_benchmark_prompt():
     from specdemo.training.corpus import PASSAGE_WORDS, chat_prompts, passage, passage_prompts
 
@@ -407,7 +428,7 @@ def test_the_command_line_lists_one_flag_per_setting(capsys):
     assert stop.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--target", "--out", "--dtype", "--seed", "--sequences", "--held-out-sequences", "--answers", "--chat-answers",
-                 "--passage-answers", "--init-from",
+                 "--passage-answers", "--pool-answers", "--pool-folder", "--init-from",
                  "--epochs", "--steps-unrolled", "--draft-vocab-size", "--learning-rate", "--batch-tokens",
                  "--time-budget-minutes"):
         assert flag in text

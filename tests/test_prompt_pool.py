@@ -178,6 +178,12 @@ def test_a_build_resumes_answer_by_answer_and_reads_no_benchmark_file(target, tm
     assert all(row["prompt"] == prompts[i].text and 1 <= len(row["answer_ids"]) <= 6 for i, row in answers.items())
     runs = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines()]
     assert [run["phase"] for run in runs] == ["templated", "requests", "answers"] and runs[-1]["batch"] == 3
+    # --batch auto: the size an earlier run measured fastest on this machine, in this format, is used again
+    with (folder / "runs.jsonl").open("a") as handle:
+        handle.write(json.dumps({"phase": "answers", "machine": pool.machine(), "format": "float32",
+                                 "batch_rates": {"2": 5.0, "4": 9.0, "8": 7.0}}) + "\n")
+    auto = pool.PoolSettings(target, "float32", batch="auto", folder=folder)
+    assert pool._batch_size(loaded, auto, [[1, 2, 3]]) == (4, {})
     assert pool.main(common + ["--phases", "answers,everything"]) == 2
     assert "unknown phases" in capsys.readouterr().err
 

@@ -77,6 +77,11 @@ def cost_plot_update(prepared: Prepared) -> Any:
     draft_cost = 0.0 if prepared.spec.method.drafts_for_free else None  # no draft model runs: drafting is free
     title = f"On this machine a pass over k tokens costs this much of a one-token pass ({curve.hardware.describe()}, " \
         f"{curve.dtype})"
+    floor = curve.floor_seconds
+    if floor is not None:
+        title += (f"; a one-token pass takes {curve.seconds[0] * 1000:.0f} ms, {curve.seconds[0] / floor:.1f}x its floor "
+                  f"of {floor * 1000:.0f} ms ({curve.weight_bytes / 1e9:.2f} GB of weights at "
+                  f"{curve.bandwidth_bytes_per_s / 1e9:.0f} GB/s)")
     if not curve.reliable:
         title += f" - UNRELIABLE, this race only: {curve.problem}"
     return gr.update(value=cost_frame(curve, draft_cost), visible=True, title=title)

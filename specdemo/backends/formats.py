@@ -431,6 +431,26 @@ def is_int8_format(model: nn.Module) -> bool:
     return int8_format_of(model) is not None
 
 
+def weight_bytes_per_pass(model: nn.Module) -> int:
+    """The bytes of weights one forward pass reads: every linear layer's in the format it runs in (int8 weights
+    one byte each, with their per-channel scales; a shared-input group's stacked layer once; the LM head too, tied
+    or not), and not the embedding table, of which a pass reads one row per token."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, W8A8Linear):
+            total += module.in_features * module.out_features + 2 * 4 * module.out_features
+        elif isinstance(module, Int8WeightLinear):
+            total += module.qweight.numel() + module.scale.numel() * module.scale.element_size()
+        elif isinstance(module, nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+        else:
+            continue
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            total += bias.numel() * bias.element_size()
+    return total
+
+
 def output_rows(model: nn.Module) -> int:
     """The number of rows (vocabulary entries) the model's LM head scores."""
     head = model.get_output_embeddings()

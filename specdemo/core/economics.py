@@ -20,8 +20,9 @@ from typing import Any, Callable, Iterable, Sequence
 logger = logging.getLogger(__name__)
 
 #: bump when the measurement (or what it measures: a format's kernels) changes, so old cached curves are measured
-#: again; 2: the int8 format's attention shares calls between the queries of a pass
-CALIBRATION_VERSION = 2
+#: again; 2: the int8 format's attention shares calls between the queries of a pass; 3: the memory bandwidth and the
+#: weights' bytes (the floor of a pass) measured beside the passes
+CALIBRATION_VERSION = 3
 
 #: "speculation can pay": a drafter right 80 % of the time beats plain decoding by 10 % at some draft length (the
 #: format choice asks it of a free drafter on a calibrated curve, the adaptive policy of the costs it measured)
@@ -160,6 +161,10 @@ class CostCurve:
     measured_at: str = ""
     version: int = CALIBRATION_VERSION
     problem: str | None = None
+    #: bytes of weights a pass reads (the target in this format; None: not known)
+    weight_bytes: int | None = None
+    #: bytes a copy of a buffer larger than the caches moved per second, read and written (None: not measured)
+    bandwidth_bytes_per_s: float | None = None
     from_cache: bool = field(default=False, compare=False)
     cache_file: str | None = field(default=None, compare=False)
 
@@ -190,6 +195,22 @@ class CostCurve:
         return s_last * num_tokens / k_last / base
 
     @property
+    def floor_seconds(self) -> float | None:
+        """The least a one-token pass can take: its weights' bytes read at the measured memory bandwidth."""
+        if not self.weight_bytes or not self.bandwidth_bytes_per_s:
+            return None
+        return self.weight_bytes / self.bandwidth_bytes_per_s
+
+    def describe_floor(self) -> str | None:
+        """A one-token pass beside its floor, in one line (None when either is unknown)."""
+        floor = self.floor_seconds
+        if floor is None:
+            return None
+        return (f"a one-token pass reads {self.weight_bytes / 1e9:.2f} GB of weights; at the measured memory bandwidth "
+                f"({self.bandwidth_bytes_per_s / 1e9:.1f} GB/s, a copy) that takes at least {floor * 1000:.0f} ms: "
+                f"measured {self.seconds[0] * 1000:.0f} ms, {self.seconds[0] / floor:.1f}x the floor")
+
+    @property
     def relative(self) -> list[float]:
         """Each measured pass in one-token passes (1.0 first)."""
         return [s / self.seconds[0] for s in self.seconds]
@@ -218,6 +239,7 @@ class CostCurve:
         data.pop("from_cache")
         data.pop("cache_file")
         data["relative"] = self.relative
+        data["floor_seconds"] = self.floor_seconds
         data["draft_cost"] = self.draft_cost
         data["break_even_acceptance"] = {
             str(k): self.break_even_acceptance(k) for k in range(1, self.lengths[-1] + 1)
@@ -241,6 +263,9 @@ class CostCurve:
             f"target pass ({self.target}, {self.dtype}): {self.seconds[0] * 1000:.0f} ms for one token; "
             f"a pass over k tokens costs, in one-token passes: {passes}",
         ]
+        floor = self.describe_floor()
+        if floor is not None:
+            lines.append(f"floor: {floor}")
         if self.draft_seconds_per_token is not None:
             lines.append(f"draft step ({self.draft}): {self.draft_seconds_per_token * 1000:.1f} ms "
                          f"= {self.draft_cost:.2f} target passes")

@@ -210,6 +210,7 @@ def measure(
     draft_seconds = None
     if draft is not None:
         draft_seconds = _draft_step_seconds(target, draft, draft_int8, repeats, budget_seconds / 4, generator)
+    bandwidth = memory_bandwidth(target.device)
     return CostCurve(
         hardware=detect_hardware(target.device),
         target=target.source,
@@ -222,7 +223,34 @@ def measure(
         measured_seconds=time.perf_counter() - started,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         problem=problem,
+        weight_bytes=formats.weight_bytes_per_pass(target.model),
+        bandwidth_bytes_per_s=bandwidth,
     )
+
+
+#: the buffer a bandwidth measurement copies: larger than any CPU's last-level cache a 2-core share sees
+BANDWIDTH_BUFFER_BYTES = 512 * 1024 * 1024
+
+
+@functools.lru_cache(maxsize=4)
+def memory_bandwidth(device: torch.device, size: int = BANDWIDTH_BUFFER_BYTES, repeats: int = 5) -> float | None:
+    """Bytes per second a copy of a ``size``-byte buffer moves (read and written, so twice its size), the best of
+    ``repeats`` after one untimed copy; None when the buffers do not fit. Measured once per process and device
+    (about 2 s for the default buffer on a 2-core CPU)."""
+    try:
+        source = torch.ones(size, dtype=torch.uint8, device=device)
+        target = torch.empty_like(source)
+    except (RuntimeError, MemoryError) as error:  # too little memory left for two buffers
+        logger.warning("Memory bandwidth not measured: %s", error)
+        return None
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(repeats):
+        started = now(device)
+        target.copy_(source)
+        best = min(best, now(device) - started)
+    del source, target
+    return 2 * size / best if best > 0 else None
 
 
 def _hardware_key(hardware: Hardware) -> list[Any]:
@@ -338,8 +366,10 @@ class FormatChoice:
         lines = [f"format: {self.format} ({self.reason})"]
         for name, curve in self.curves.items():
             pays = "speculation can pay" if speculation_can_pay(curve) else "speculation cannot pay"
-            lines.append(f"  {name}: {curve.seconds[0] * 1000:.0f} ms per one-token pass, a pass over 4 tokens "
-                         f"{curve.cost(4):.2f}x; {pays}")
+            floor = curve.floor_seconds
+            beside = f" (floor {floor * 1000:.0f} ms: {curve.seconds[0] / floor:.1f}x)" if floor else ""
+            lines.append(f"  {name}: {curve.seconds[0] * 1000:.0f} ms per one-token pass{beside}, a pass over 4 "
+                         f"tokens {curve.cost(4):.2f}x; {pays}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:

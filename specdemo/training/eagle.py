@@ -71,6 +71,8 @@ from .common import (
 )
 from .corpus import chat_prompts, passage_prompts
 from .eagle_cache import AnswerSet, cache_split
+from .pool import answers_name, pool_answer_rows
+from .prompt_pool import POOL_FOLDER
 from .eagle_unrolled import (
     Batch,
     Split,
@@ -120,6 +122,10 @@ class TrainSettings(CorpusSettings):
     answers: int = 480
     chat_answers: int = 0
     passage_answers: int = 0
+    #: the target's stored answers to the prompt pool's first N prompts (``python -m specdemo.training.pool``),
+    #: read from ``pool_folder``
+    pool_answers: int = 0
+    pool_folder: Path = POOL_FOLDER
     answer_tokens: int = 256
     generation_batch: int = 32
     epochs: int = 1
@@ -148,12 +154,16 @@ class TrainSettings(CorpusSettings):
                  self.held_out_sequences, self.seed, sys.version.split()[0]]
         return hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:16]
 
+    def pool_answers_name(self) -> str:
+        return answers_name(self.target, self.dtype, self.answer_tokens)
+
     def train_key(self, draft_ids: torch.Tensor, config: EagleConfig) -> str:
         init = [self.init] if self.init != "random" else []  # absent for random: earlier checkpoints still resume
         chat = [self.chat_answers_key(), self.chat_answers] if self.chat_answers else []  # absent: earlier keys hold
         passage = [self.passage_answers_key(), self.passage_answers] if self.passage_answers else []
+        pool = [self.pool_answers_name(), self.pool_answers] if self.pool_answers else []
         start = [_weights_digest(self.init_from)] if self.init_from is not None else []
-        keyed = [self.corpus_key(), self.answers_key() if self.answers else None, *chat, *passage, *start, self.epochs,
+        keyed = [self.corpus_key(), self.answers_key() if self.answers else None, *chat, *passage, *pool, *start, self.epochs,
                  self.steps_unrolled, self.learning_rate, self.batch_tokens, self.train_dtype, self.loss_decay,
                  self.grad_clip, self.warmup_steps, *init, hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest(), asdict(config)]
         return hashlib.sha256(json.dumps(keyed, default=str).encode()).hexdigest()[:16]
@@ -320,6 +330,15 @@ def answer_sets(settings: TrainSettings, loaded: LoadedModel, spec: CorpusSpec,
         sets.append(AnswerSet("passage_answers", settings.passage_answers_key(), settings.passage_answers_path(),
                               settings.passage_answers_path() / f"shards-{settings.passage_answers}",
                               lambda: passage_prompts(chat_rows, settings.seed), settings.passage_answers))
+        seconds, cached = sets[-1].prepare(loaded, spec, layers)
+        answer_seconds, cache_seconds = answer_seconds + seconds, cache_seconds + cached
+    if settings.pool_answers:
+        name = settings.pool_answers_name()
+        folder = settings.cache_path() / f"pool-{name}"
+        sets.append(AnswerSet("pool_answers", name, folder, folder / f"shards-{settings.pool_answers}", None,
+                              settings.pool_answers, stored=lambda: pool_answer_rows(
+                                  settings.target, settings.dtype, settings.answer_tokens, settings.pool_answers,
+                                  settings.pool_folder)))
         seconds, cached = sets[-1].prepare(loaded, spec, layers)
         answer_seconds, cache_seconds = answer_seconds + seconds, cache_seconds + cached
     return [answer_set for answer_set in sets if answer_set.count], answer_seconds, cache_seconds
@@ -599,7 +618,7 @@ def ship(settings: TrainSettings, corpus: Corpus, splits: Splits, run: HeadRun, 
             "held_out_files": len({s["file"] for s in held_seqs}),
         },
         **{name: next((a.counts for a in corpus.sets if a.name == name), None)
-           for name in ("answers", "chat_answers", "passage_answers")},
+           for name in ("answers", "chat_answers", "passage_answers", "pool_answers")},
         "head": {
             "hidden_layers": list(config.hidden_layers),
             "intermediate_size": config.intermediate_size,
@@ -648,6 +667,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passage-answers", type=int, default=defaults.passage_answers,
                         help="prompts that quote the target's answers to the first N chat prompts and ask for a "
                              "summary, a translation, an answer from the passage or an extraction (0 = none)")
+    parser.add_argument("--pool-answers", type=int, default=defaults.pool_answers,
+                        help="the target's stored answers to the prompt pool's first N prompts (written by python -m "
+                             "specdemo.training.pool; 0 = none)")
+    parser.add_argument("--pool-folder", type=Path, default=defaults.pool_folder,
+                        help="where the prompt pool and its answers are stored")
     parser.add_argument("--steps-unrolled", type=int, default=defaults.steps_unrolled,
                         help="draft steps of the training-time test")
     parser.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size)

@@ -7,6 +7,7 @@ target's own answers in the corpus, answered (or reused from any trainer's cache
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,16 +71,22 @@ class AnswerSet:
     count: int
     rows: list[dict] = field(default_factory=list)
     counts: dict = field(default_factory=dict)
+    #: answers stored elsewhere (the prompt pool's), read instead of generated
+    stored: Callable[[], list[dict]] | None = None
 
     def prepare(self, loaded, spec, layers: tuple[int, ...]) -> tuple[float, float]:
         """The answers (reused from any trainer's cache or the checkout, else generated) and the cached states
         of the first ``count``; (seconds answering, seconds caching)."""
         started = time.perf_counter()
-        own = self.folder / ANSWERS_FILE
-        elsewhere = [path for path in answers_elsewhere(self.key) if path != own]
-        reused = portable_path(elsewhere[0]) if elsewhere and not own.is_file() else None
-        self.rows = generate_answers(loaded, spec, own, start_from=elsewhere[0] if elsewhere else None,
-                                     prompts=self.prompts() if self.prompts is not None else None)
+        reused = None
+        if self.stored is not None:
+            self.rows = self.stored()
+        else:
+            own = self.folder / ANSWERS_FILE
+            elsewhere = [path for path in answers_elsewhere(self.key) if path != own]
+            reused = portable_path(elsewhere[0]) if elsewhere and not own.is_file() else None
+            self.rows = generate_answers(loaded, spec, own, start_from=elsewhere[0] if elsewhere else None,
+                                         prompts=self.prompts() if self.prompts is not None else None)
         answered = time.perf_counter()
         if not self.count:
             return answered - started, 0.0
@@ -90,6 +97,8 @@ class AnswerSet:
         self.counts = {"training_sequences": len(train_seqs), "held_out_sequences": len(held_seqs),
                        "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in learned) / max(1, len(learned)),
                                                    1),
-                       **({"kinds": sorted({r["kind"] for r in learned})} if self.prompts is not None else {}),
+                       **({"kinds": dict(sorted(Counter(r["kind"] for r in learned).items()))}
+                          if self.prompts is not None or self.stored is not None else {}),
+                       "answer_positions": sum(len(r["answer_ids"]) for r in learned),
                        "reused_from": reused}
         return answered - started, time.perf_counter() - answered

@@ -81,6 +81,22 @@ def read_answers(settings: PoolSettings, prompts: list[PoolPrompt]) -> dict[int,
             if index < len(prompts) and row.get("prompt") == prompts[index].text}
 
 
+def pool_answer_rows(target: str, fmt: str, answer_tokens: int, count: int, folder: Path = POOL_FOLDER) -> list[dict]:
+    """The target's stored answers to the pool's first ``count`` prompts, in index order, as the trainers read
+    answers (``index``, ``kind``, ``prompt``, ``answer_ids``); refused in one line when any is missing."""
+    settings = PoolSettings(target, fmt, answer_tokens=answer_tokens, folder=folder)
+    prompts = read_pool(folder)
+    if count > len(prompts):
+        raise ValueError(f"the prompt pool holds {len(prompts)} prompts, fewer than the {count} asked for")
+    answers = read_answers(settings, prompts[:count])
+    missing = [i for i in range(count) if i not in answers]
+    if missing:
+        raise ValueError(f"{len(missing)} of the pool's first {count} prompts have no stored answer from {target} in "
+                         f"{fmt} (first: {missing[0]}): run python -m specdemo.training.pool --target {target} "
+                         f"--dtype {fmt} --phases answers")
+    return [answers[i] for i in range(count)]
+
+
 class Deadline:
     def __init__(self, minutes: float | None) -> None:
         self.at = None if minutes is None else time.monotonic() + 60.0 * minutes
@@ -162,8 +178,18 @@ def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
 
 
 def _batch_size(loaded: "LoadedModel", settings: PoolSettings, headers: list[list[int]]) -> tuple[int, dict]:
+    """``--batch``, or with ``auto`` the batch size measured fastest on this machine in this format: by an earlier
+    run (``runs.jsonl``), else now (a few minutes)."""
     if settings.batch != "auto":
         return int(settings.batch), {}
+    earlier = [run for run in _runs(settings) if run.get("phase") == "answers" and run.get("batch_rates")
+               and run.get("machine") == machine() and run.get("format") == settings.dtype]
+    if earlier:
+        rates = earlier[-1]["batch_rates"]
+        batch = int(max(rates, key=rates.__getitem__))
+        logger.info("answering in batches of %d, measured fastest on this machine by the run of %s", batch,
+                    earlier[-1].get("time"))
+        return batch, {}
     batch, rates = fastest_batch_size(loaded, headers)
     logger.info("answering in batches of %d (tokens per second by batch size: %s)", batch,
                 ", ".join(f"{size}: {rate:.1f}" for size, rate in rates.items()))
@@ -178,6 +204,13 @@ def machine() -> str:
     except OSError:
         pass
     return f"{name} ({os.cpu_count()} cores)"
+
+
+def _runs(settings: PoolSettings) -> list[dict]:
+    path = settings.folder / "runs.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def record_run(settings: PoolSettings, phase_report: dict) -> None:
