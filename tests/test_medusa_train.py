@@ -93,3 +93,29 @@ def test_the_target_answers_prompts_itself_and_its_answers_join_the_corpus(tmp_p
     before = (settings.answers_path() / "answers.jsonl").stat().st_mtime_ns
     train(settings)
     assert (settings.answers_path() / "answers.jsonl").stat().st_mtime_ns == before
+
+
+def test_the_pools_stored_answers_train_the_heads_instead_of_generated_ones(tmp_path):
+    import pytest
+
+    from specdemo.training import pool
+    from specdemo.training.prompt_pool import PoolPrompt, pool_shards
+
+    target, _ = save_tiny_pair(tmp_path / "pair")
+    folder = tmp_path / "pool"
+    prompts = [PoolPrompt("summary", f"man:tool{i}.1", f"Summarize: tool {i} copies files quickly.") for i in range(6)]
+    pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts))
+    assert pool.main(["--target", target, "--dtype", "float32", "--answer-tokens", "24", "--batch", "3", "--folder",
+                      str(folder), "--phases", "answers"]) == 0
+    settings = TrainSettings(
+        target=target, out=tmp_path / "heads", num_heads=2, head_tokens=0, sequences=2, sequence_tokens=256,
+        held_out_sequences=1, epochs=1, batch_size=64, dtype="float32", cache_dir=tmp_path / "cache",
+        answer_tokens=24, held_out_every=4, pool_answers=6, pool_folder=folder,
+    )
+    report = train(settings)
+    answers = report["answers"]
+    assert answers["prompts_per_kind"] == {"summary": 6} and len(answers["held_out_top1_per_head"]) == 2
+    assert answers["training_sequences"] + answers["held_out_sequences"] <= 6
+    assert not settings.answers_path().exists()  # nothing generated: the pool's answers were read
+    with pytest.raises(ValueError, match="choose one"):
+        train(TrainSettings(**{**settings.__dict__, "answers": 4}))

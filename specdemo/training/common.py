@@ -180,6 +180,11 @@ def add_corpus_arguments(parser: argparse.ArgumentParser, defaults: CorpusSettin
                         help="longest answer the target writes per prompt")
     parser.add_argument("--generation-batch", type=int, default=defaults.generation_batch,
                         help="prompts the target answers in one batch")
+    parser.add_argument("--pool-answers", type=int, default=defaults.pool_answers,
+                        help="the target's stored answers to the prompt pool's first N prompts (written by python -m "
+                             "specdemo.training.pool; 0 = none)")
+    parser.add_argument("--pool-folder", type=Path, default=defaults.pool_folder,
+                        help="where the prompt pool and its answers are stored")
     parser.add_argument("--epochs", type=int, default=defaults.epochs)
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate,
                         help="peak learning rate (AdamW)")

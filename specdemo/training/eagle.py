@@ -667,11 +667,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passage-answers", type=int, default=defaults.passage_answers,
                         help="prompts that quote the target's answers to the first N chat prompts and ask for a "
                              "summary, a translation, an answer from the passage or an extraction (0 = none)")
-    parser.add_argument("--pool-answers", type=int, default=defaults.pool_answers,
-                        help="the target's stored answers to the prompt pool's first N prompts (written by python -m "
-                             "specdemo.training.pool; 0 = none)")
-    parser.add_argument("--pool-folder", type=Path, default=defaults.pool_folder,
-                        help="where the prompt pool and its answers are stored")
     parser.add_argument("--steps-unrolled", type=int, default=defaults.steps_unrolled,
                         help="draft steps of the training-time test")
     parser.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size)

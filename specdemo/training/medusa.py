@@ -53,6 +53,8 @@ from .common import (
     write_shards,
     write_training_json,
 )
+from .pool import answers_name, pool_answer_rows
+from .prompt_pool import POOL_FOLDER
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +83,22 @@ class TrainSettings(CorpusSettings):
     answers: int = 0  # prompts the target answers itself (self-distillation proper); 0 = code corpus only
     answer_tokens: int = 256
     generation_batch: int = 32
+    #: instead of --answers: the target's stored answers to the prompt pool's first N prompts, from ``pool_folder``
+    pool_answers: int = 0
+    pool_folder: Path = POOL_FOLDER
     extra: dict = field(default_factory=dict)
+
+    def answer_folder(self) -> Path:
+        """Where the answers' cached states live: the pool's answers' own folder, else ``--answers``'."""
+        if self.pool_answers:
+            return self.cache_path() / f"pool-{answers_name(self.target, self.dtype, self.answer_tokens)}-{self.pool_answers}"
+        return self.answers_path()
+
+    def answer_rows(self, loaded, spec) -> list[dict]:
+        """The answers the heads learn from: the pool's stored ones, else generated (or reused) for --answers."""
+        if self.pool_answers:
+            return pool_answer_rows(self.target, self.dtype, self.answer_tokens, self.pool_answers, self.pool_folder)
+        return generate_answers(loaded, spec, self.answers_path() / ANSWERS_FILE)
 
     def corpus_key(self) -> str:
         keyed = [self.target, self.dtype, self.sequences, self.sequence_tokens, self.held_out_every,
@@ -206,12 +223,12 @@ def cache_corpus(settings: TrainSettings) -> Corpus:
     train_seqs, held_seqs, cache_seconds = code_corpus(loaded.tokenizer, spec, settings.cache_path(), cache)
     answer_seconds = 0.0
     answer_counts: dict = {}
-    if settings.answers:
+    if settings.answers or settings.pool_answers:
         answer_started = time.perf_counter()
-        answers = generate_answers(loaded, spec, settings.answers_path() / ANSWERS_FILE)
+        answers = settings.answer_rows(loaded, spec)
         answer_seconds = time.perf_counter() - answer_started
         answer_train, answer_held = answer_sequences(loaded.tokenizer, answers, spec)
-        cache_seconds += cache_splits(cache, answer_train, answer_held, settings.answers_path())
+        cache_seconds += cache_splits(cache, answer_train, answer_held, settings.answer_folder())
         answer_counts = {"training_sequences": len(answer_train), "held_out_sequences": len(answer_held),
                          "prompts_per_kind": dict(Counter(row["kind"] for row in answers)),
                          "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in answers) / max(1, len(answers)),
@@ -245,10 +262,10 @@ def load_states(settings: TrainSettings, answer_counts: dict) -> States:
     held = load_split(folder, "heldout")
     code_positions = int(hidden.shape[0])
     answers_held = None
-    if settings.answers:
-        answer_hidden, answer_labels = load_split(settings.answers_path(), "train")
+    if settings.answers or settings.pool_answers:
+        answer_hidden, answer_labels = load_split(settings.answer_folder(), "train")
         hidden, labels = torch.cat([hidden, answer_hidden]), torch.cat([labels, answer_labels], dim=1)
-        answers_held = load_split(settings.answers_path(), "heldout")
+        answers_held = load_split(settings.answer_folder(), "heldout")
         answer_counts["training_positions"] = int(answer_hidden.shape[0])
         answer_counts["held_out_positions"] = int(answers_held[0].shape[0])
         del answer_hidden, answer_labels
@@ -370,6 +387,8 @@ def ship(settings: TrainSettings, corpus: Corpus, states: States, run: HeadsRun,
 
 def train(settings: TrainSettings) -> dict:
     """The whole run: corpus, cache, training, held-out accuracy, heads written to ``settings.out``."""
+    if settings.answers and settings.pool_answers:
+        raise ValueError("--answers and --pool-answers: the Medusa trainer learns from one set of answers, choose one")
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
     corpus = cache_corpus(settings)
@@ -380,7 +399,9 @@ def train(settings: TrainSettings) -> dict:
 
 
 def _train_key(settings: TrainSettings) -> list:
-    return [settings.corpus_key(), settings.answers_key() if settings.answers else None, settings.num_heads,
+    pool = [answers_name(settings.target, settings.dtype, settings.answer_tokens), settings.pool_answers] \
+        if settings.pool_answers else []
+    return [settings.corpus_key(), settings.answers_key() if settings.answers else None, *pool, settings.num_heads,
             settings.head_tokens, settings.epochs, settings.batch_size,
             settings.learning_rate, settings.loss_decay]
 
