@@ -300,6 +300,11 @@ def decode_speedups_on_curve(
 REPLAYABLE_MODES = ("ngram", "suffix")
 
 
+def _still_clock() -> float:
+    """A clock that stands still: drafting takes no simulated time, so no cut depends on how fast it ran here."""
+    return 0.0
+
+
 @dataclass(frozen=True)
 class ModeRow:
     """A group of prompts replayed on a cost curve in each mode as the bench and the app run it: ``{mode: (decode
@@ -307,6 +312,16 @@ class ModeRow:
 
     group: str
     by_mode: dict[str, tuple[float, float]]
+
+
+def check_replayable(modes: Sequence[str]) -> None:
+    """Refuse, in one line, a mode the replay cannot run here."""
+    unknown = [mode for mode in modes if mode not in REPLAYABLE_MODES]
+    if unknown:
+        raise ValueError(f"the replay runs {', '.join(REPLAYABLE_MODES)} only, not {', '.join(unknown)}")
+    if "suffix" in modes and not suffix_trees_available():
+        raise ValueError("the suffix mode needs arctic-inference: python3 -m pip install --no-build-isolation "
+                         "--no-deps -r requirements-suffix.txt")
 
 
 def compare_modes_on_curve(
@@ -318,21 +333,17 @@ def compare_modes_on_curve(
     suffix decoding remembers each prompt's answer after it, in file order, as the bench's ``--suffix-memory on``
     does (one memory for the whole replay)."""
     spec = spec or SpecSettings()
-    unknown = [mode for mode in modes if mode not in REPLAYABLE_MODES]
-    if unknown:
-        raise ValueError(f"the replay runs {', '.join(REPLAYABLE_MODES)} only, not {', '.join(unknown)}")
-    if "suffix" in modes and not suffix_trees_available():
-        raise ValueError("the suffix mode needs arctic-inference: python3 -m pip install --no-build-isolation "
-                         "--no-deps -r requirements-suffix.txt")
+    check_replayable(modes)
     remembered = SuffixMemory() if memory and "suffix" in modes else None
     runs: dict[str, dict[str, list[ReplayRun]]] = defaultdict(lambda: defaultdict(list))
     for item in items:
         settings = GenerationSettings(max_new_tokens=len(item.output_ids), stop_on_eos=False, collect_probs=False)
         for mode in modes:
             mode_spec = replace(spec, mode=mode)
+            # the replayable modes read no model: their policy and drafter are built without a target
             policy = make_spec_policy(mode_spec, None, settings, prior=cost_curve)  # type: ignore[arg-type]
-            drafter = mode_spec.method.build(BuildContext(None, None, settings, mode_spec.options(), policy,
-                                                          remembered))  # type: ignore[arg-type]
+            drafter = mode_spec.method.build(BuildContext(None, None, settings, mode_spec.options(), policy,  # type: ignore[arg-type]
+                                                          remembered, clock=_still_clock))
             run = replay_run(drafter, item.prompt_ids, item.output_ids, policy, cost_curve)
             for group in (item.category, "ALL"):
                 runs[group][mode].append(run)
@@ -426,12 +437,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
         rules = ngram_rules(args.ngram_min, args.ngram_max)
         cost_curve = load_cost_curve(args.cost_curve) if args.cost_curve is not None else None
-        items = load_items(args.results)
-        table = tokens_per_pass(items, rules, args.num_draft_tokens)
-        curve_rows = decode_speedups_on_curve(items, cost_curve, plain_prefill_shares(items)) if cost_curve else None
         modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()] if args.modes else []
         if modes and cost_curve is None:
             raise ValueError("--modes needs --cost-curve: the modes are compared on a machine's costs")
+        check_replayable(modes)
+        items = load_items(args.results)
+        table = tokens_per_pass(items, rules, args.num_draft_tokens)
+        curve_rows = decode_speedups_on_curve(items, cost_curve, plain_prefill_shares(items)) if cost_curve else None
         mode_rows = compare_modes_on_curve(items, cost_curve, modes, args.suffix_memory == "on") if modes else None
     except (ValueError, OSError, ModelLoadError, OfflinePackError) as error:
         print(f"error: {error}", file=sys.stderr)

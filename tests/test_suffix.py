@@ -78,10 +78,13 @@ def test_greedy_output_is_the_targets_from_the_prompt_and_from_earlier_answers(t
         trees_only = run(target, prompt, settings, replace(spec, suffix_lookup=False), memory)
         assert trees_only.new_token_ids == reference and "lookup" not in trees_only.counters.accepted_by_source
         memory.remember(reference)
-    # the second time round every prompt's own answer is remembered: most accepted tokens come from it
-    counters = remembered.counters
-    assert counters.accepted > 20 and counters.accepted_by_source.get(EARLIER_ANSWER, 0) >= 0.8 * counters.accepted
-    assert counters.accepted >= alone.counters.accepted
+    # the second time round every prompt's own answer is remembered: most accepted tokens come from it (with drafts
+    # of a fixed size: the adaptive schedule cuts its trees by measured pass times, which a busy machine moves)
+    if schedule[0] != "adaptive":
+        counters = remembered.counters
+        assert counters.accepted > 20
+        assert counters.accepted_by_source.get(EARLIER_ANSWER, 0) >= 0.8 * counters.accepted
+        assert counters.accepted >= alone.counters.accepted
 
 
 @pytest.mark.parametrize("limit", [1, 2, 3, 7, 13, 30])

@@ -84,6 +84,9 @@ class BuildContext:
     options: Any
     policy: "DraftLengthPolicy | None" = None
     memory: "SuffixMemory | None" = None
+    #: what a drafter that times its own drafting reads the time from (None: the wall clock; a replay on simulated
+    #: time gives one that stands still, as its drafting takes no simulated time)
+    clock: "Callable[[], float] | None" = None
 
 
 @dataclass(frozen=True)

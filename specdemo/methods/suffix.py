@@ -85,11 +85,13 @@ class SuffixDrafter:
         verify_cost: Callable[[int], float] | None = None,
         max_depth: int = DEFAULT_MAX_DEPTH,
         lookup: LookupBranch | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if lookup is not None and not tree:
             raise ValueError("the prompt-lookup branch joins a suffix tree only")
         self.memory = memory
         self.lookup = lookup
+        self.clock = clock  # times the drafting a tree's cut weighs against the verify pass
         self.tree = tree
         self.factor = factor
         self.min_token_prob = min_token_prob
@@ -98,7 +100,7 @@ class SuffixDrafter:
         #: per tree (the race's own, the memory) and length of the match (1, 2, 3, 4 or more): predicted and accepted
         #: tree tokens of recent rounds (decayed), since a tree's counts after a short match promise more than they
         #: keep, and the memory's counts (other answers) promise differently from the race's own
-        self._record = {tree: _MatchRecord() for tree in (False, True)}
+        self._record = {from_memory: _MatchRecord() for from_memory in (False, True)}
         self._last: tuple[bool, int, float] | None = None  # the tree last proposed: memory?, bucket, predicted
 
     def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
@@ -110,7 +112,7 @@ class SuffixDrafter:
     def propose(self, context: Sequence[int], num_draft_tokens: int) -> Proposal:
         if num_draft_tokens <= 0:
             return Proposal()
-        started = time.perf_counter()
+        started = self.clock()
         draft, from_memory = self._best_draft(context, num_draft_tokens)
         if not self.tree:  # a chain: all of it
             if not draft.tokens:
@@ -121,7 +123,7 @@ class SuffixDrafter:
         branch = self.lookup.propose(context, num_draft_tokens) if self.lookup is not None else ([], [])
         calibrated = self._calibrated(draft, from_memory)
         tree = add_branch(draft.tokens, draft.parents, calibrated, *branch).cut(num_draft_tokens)
-        tree = tree.cut(self.sizer.keep(tree.probs, time.perf_counter() - started, ratio=1.0))
+        tree = tree.cut(self.sizer.keep(tree.probs, self.clock() - started, ratio=1.0))
         kept = [node for node in tree.tree_nodes if node >= 0]
         self._proposed(draft, from_memory, kept)
         if not tree.tokens:
@@ -212,7 +214,7 @@ def _build(context: BuildContext) -> SuffixDrafter:
     lookup = (LookupBranch(options.ngram_min, options.ngram_max, options.ngram_prefer)
               if tree and options.suffix_lookup else None)
     return SuffixDrafter(context.memory, tree, options.suffix_factor, options.suffix_min_token_prob,
-                         tree_verify_cost(context.policy, tree), lookup=lookup)
+                         tree_verify_cost(context.policy, tree), lookup=lookup, clock=context.clock or time.perf_counter)
 
 
 METHOD = Method(
