@@ -98,12 +98,18 @@ def pool_answer_rows(target: str, fmt: str, answer_tokens: int, count: int, fold
 
 
 class Deadline:
+    """The end of a run's time budget (None: no budget)."""
+
     def __init__(self, minutes: float | None) -> None:
         self.at = None if minutes is None else time.monotonic() + 60.0 * minutes
 
     @property
     def passed(self) -> bool:
         return self.at is not None and time.monotonic() >= self.at
+
+    def leaves(self, seconds: float) -> bool:
+        """Whether ``seconds`` more of work end before the deadline (a batch as long as the last one)."""
+        return self.at is None or time.monotonic() + seconds <= self.at
 
 
 def add_requests(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadline) -> dict:
@@ -154,22 +160,24 @@ def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
     batch, rates = _batch_size(loaded, settings, [headers[i] for i in todo])
     shards = answer_shards(settings)
     stops = loaded.eos_token_ids
-    started, written, tokens = time.perf_counter(), 0, 0
+    started, written, tokens, last_batch = time.perf_counter(), 0, 0, 0.0
     with tqdm(total=len(prompts), initial=len(done), desc="target answering the pool", unit="answer") as bar:
         for window_start in range(0, len(todo), batch * WINDOW_BATCHES):
             window = sorted(todo[window_start : window_start + batch * WINDOW_BATCHES],
                             key=lambda i: (len(headers[i]), i))
             for start in range(0, len(window), batch):
-                if deadline.passed:
+                if deadline.passed or not deadline.leaves(last_batch):  # a batch as long as the last must fit
                     break
                 chunk = window[start : start + batch]
+                batch_started = time.perf_counter()
                 answers = generate_batch(loaded, [headers[i] for i in chunk], settings.answer_tokens, stops)
+                last_batch = time.perf_counter() - batch_started
                 shards.append({"index": i, "kind": prompts[i].kind, "prompt": prompts[i].text, "answer_ids": ids}
                               for i, (ids, _) in zip(chunk, answers))
                 written += len(chunk)
                 tokens += sum(len(ids) for ids, _ in answers)
                 bar.update(len(chunk))
-            if deadline.passed:
+            if deadline.passed or not deadline.leaves(last_batch):
                 break
     shards.seal(only_full=False)  # what this run wrote goes into a shard of its own: nothing is left unsealed
     seconds = time.perf_counter() - started
