@@ -4,15 +4,13 @@ draft vocabulary, the held-out split, the Medusa trainer's answers reused, the b
 
 from __future__ import annotations
 
-import builtins
-import io
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny import save_tiny_pair
+from tiny import save_tiny_pair, spy_on_open
 
 from specdemo.backends.formats import output_weight
 from specdemo.backends.loading import LoadSettings, load_model
@@ -163,15 +161,7 @@ def test_a_run_writes_a_head_the_drafter_loads_and_greedy_output_stays_exact(pai
     monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")
     medusa_answers = tmp_path / "home" / "medusa-train" / "k" / f"answers-{answers_key(pair, 'float32', spec)}"
     generate_answers(loaded, spec, medusa_answers / "answers.jsonl")
-    opened: list[str] = []
-    real_open = builtins.open
-
-    def spying_open(file, *args, **kwargs):
-        opened.append(str(file))
-        return real_open(file, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "open", spying_open)
-    monkeypatch.setattr(io, "open", spying_open)
+    opened = spy_on_open(monkeypatch)
     report = train(settings)
     monkeypatch.undo()
     assert opened and not [name for name in opened if Path(name).name in BENCHMARK_FILES]

@@ -3,14 +3,12 @@ text, requests written by the target, answers resumed answer by answer, and no b
 
 from __future__ import annotations
 
-import builtins
 import gzip
-import io
 import json
 from pathlib import Path
 
 import pytest
-from tiny import byte_tokenizer, save_tiny_pair
+from tiny import byte_tokenizer, save_tiny_pair, spy_on_open
 
 from specdemo.backends.loading import LoadSettings, load_model
 from specdemo.training import magpie, pool, prompt_pool
@@ -137,20 +135,11 @@ def test_a_build_resumes_answer_by_answer_and_reads_no_benchmark_file(target, tm
     folder = tmp_path / "pool"
     monkeypatch.setattr(magpie, "usable", lambda text: bool(text.strip()))  # a random model writes noise
     monkeypatch.setattr(pool, "REQUEST_BATCH", 4)
-    opened: list[str] = []
-    real_open = builtins.open
-
-    def spying_open(file, *args, **kwargs):
-        opened.append(str(file))
-        return real_open(file, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "open", spying_open)
-    monkeypatch.setattr(io, "open", spying_open)
     common = ["--target", target, "--dtype", "float32", "--templated", "10", "--requests", "3", "--answer-tokens",
               "6", "--folder", str(folder)]
-    assert pool.main(common + ["--phases", "templated,requests"]) == 0
-    monkeypatch.setattr(builtins, "open", real_open)
-    monkeypatch.setattr(io, "open", real_open)
+    with monkeypatch.context() as spied:
+        opened = spy_on_open(spied)
+        assert pool.main(common + ["--phases", "templated,requests"]) == 0
     assert opened and not [name for name in opened if Path(name).name in BENCHMARK_FILES]
     prompts = prompt_pool.read_pool(folder)
     assert len(prompts) >= 13 and sum(p.kind == "request" for p in prompts) >= 3

@@ -141,3 +141,20 @@ def save_tiny_eagle_head(folder, hidden: int = 64, vocab: int = 320, layers: int
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
     save_head(head, Path(folder), torch.float32)
     return str(folder)
+
+
+def spy_on_open(monkeypatch) -> list:
+    """Every file opened through ``open`` (builtins and io) from now until ``monkeypatch`` is undone: the list."""
+    import builtins
+    import io
+
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def spying_open(file, *args, **kwargs):
+        opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", spying_open)
+    monkeypatch.setattr(io, "open", spying_open)
+    return opened

@@ -21,6 +21,7 @@ import random
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 #: subjects for explanations, opinions and advice
 SUBJECTS = [
@@ -68,6 +69,27 @@ class TrainingPrompt:
     text: str
 
 
+def documented_functions(path: Path) -> Iterator[tuple[str, str]]:
+    """(source, first docstring sentence) of each public function of 4 to 30 lines in ``path`` whose docstring's
+    first sentence is 20 to 160 characters long, in the order ``ast.walk`` meets them (none for a file that does not
+    parse)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node)
+        source = ast.get_source_segment(text, node, padded=True)
+        if not doc or not source or not 4 <= source.count("\n") <= 30:
+            continue
+        sentence = doc.strip().split("\n\n")[0].replace("\n", " ").split(". ")[0].strip().rstrip(".")
+        if 20 <= len(sentence) <= 160:
+            yield textwrap.dedent(source), sentence
+
+
 def _functions(files: list[Path], rng: random.Random, limit: int) -> list[tuple[str, str]]:
     """(source, first docstring sentence) of standard-library functions of 4 to 30 lines with a docstring."""
     found: list[tuple[str, str]] = []
@@ -76,22 +98,9 @@ def _functions(files: list[Path], rng: random.Random, limit: int) -> list[tuple[
     for path in shuffled:
         if len(found) >= limit:
             break
-        try:
-            text = path.read_text(encoding="utf-8")
-            tree = ast.parse(text)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            source = ast.get_source_segment(text, node, padded=True)
-            if not doc or not source or not 4 <= source.count("\n") <= 30:
-                continue
-            sentence = doc.strip().split("\n\n")[0].replace("\n", " ").split(". ")[0].strip().rstrip(".")
-            if 20 <= len(sentence) <= 160:
-                found.append((textwrap.dedent(source), sentence))
-                break  # one function per file keeps the mix broad
+        first = next(documented_functions(path), None)  # one function per file keeps the mix broad
+        if first is not None:
+            found.append(first)
     return found
 
 

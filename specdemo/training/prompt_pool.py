@@ -20,10 +20,8 @@ are sampled, so the stored pool, not a rebuild, is what every later run answers.
 
 from __future__ import annotations
 
-import ast
 import logging
 import random
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -39,6 +37,7 @@ from .corpus import (
     TRANSLATION_ASKS,
     _paragraphs,
     chat_prompt,
+    documented_functions,
     passage,
 )
 from .local_texts import Passage, local_passages
@@ -86,23 +85,8 @@ class PoolPrompt:
 def stdlib_functions(seed: int) -> list[tuple[str, str, str]]:
     """(module, source, first docstring sentence) of every public standard-library function of 4 to 30 lines with
     a docstring, in a seeded order."""
-    found: list[tuple[str, str, str]] = []
-    for path in stdlib_files():
-        try:
-            text = path.read_text(encoding="utf-8")
-            tree = ast.parse(text)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            source = ast.get_source_segment(text, node, padded=True)
-            if not doc or not source or not 4 <= source.count("\n") <= 30:
-                continue
-            sentence = doc.strip().split("\n\n")[0].replace("\n", " ").split(". ")[0].strip().rstrip(".")
-            if 20 <= len(sentence) <= 160:
-                found.append((path.stem, textwrap.dedent(source), sentence))
+    found = [(path.stem, source, sentence) for path in stdlib_files()
+             for source, sentence in documented_functions(path)]
     random.Random(f"functions/{seed}").shuffle(found)
     return found
 
