@@ -29,15 +29,24 @@ from .backends.loading import (
     resolve_format,
 )
 from .backends.offline import OfflinePackError
-from .bench_report import aggregate, format_table, format_verify_costs, plain_step_seconds, plot
+from .bench_report import (
+    aggregate,
+    format_table,
+    format_verify_costs,
+    plain_step_seconds,
+    plot,
+    split_mode,
+    with_variant,
+)
 from .bench_run import BenchConfig, drafts_with_other_tokenizer, mode_draft, needs_draft_model, run_benchmark
 from .core.economics import CostCurve
 from .core.errors import InputError
 from .core.files import write_json_atomic
-from .core.settings import SamplingSettings
+from .core.settings import COMPILE_CHOICES, SamplingSettings
 from .methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, check_pair, describe_methods
 from .methods.ngram import NGRAM_PREFERENCES
 from .session.calibration import FormatChoice, choose_format, refresh_if_stale
+from .session.compiling import check_compile_choice, choose_passes
 from .session.presets import PRESETS, default_preset_key, get_preset, preset_eagle_head
 from .session.prompts import Prompt, PromptFileError, load_prompts
 from .session.racer import calibrate_pair
@@ -127,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--suffix-memory on, later passes draft from the answers of earlier ones; the report gains by_pass",
     )
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
+    parser.add_argument(
+        "--compile", default="auto", help="how the target's passes run: auto (compiled on a GPU, eager on a CPU), on "
+        "(a static cache and torch.compile: CUDA graphs on a GPU, inductor on a CPU; compiled in the warm-up), off "
+        "(eager); a comma list such as on,off runs every mode in each, named draft@on, draft@off",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -170,6 +184,24 @@ def _parse_modes(text: str) -> list[str]:
     return ["plain", *dict.fromkeys(modes)]  # plain always runs: every figure is relative to it
 
 
+def _parse_compile(text: str) -> list[str]:
+    choices = list(dict.fromkeys(c.strip() for c in text.split(",") if c.strip()))
+    if not choices:
+        raise InputError(f"--compile: choose from {', '.join(COMPILE_CHOICES)}")
+    for choice in choices:
+        _parsed("--compile", check_compile_choice, choice)
+    return choices
+
+
+def _variant_modes(modes: list[str], choices: list[str]) -> list[str]:
+    """The bench's modes with ``--compile``'s choices: unchanged for one choice; for several, every engine mode once
+    per choice (``plain@on``, ``draft@on``, ``plain@off``, ...) and transformers' own modes once."""
+    if len(choices) == 1:
+        return modes
+    engine = [m for m in modes if m not in STOCK_MODES]
+    return [with_variant(m, c) for c in choices for m in engine] + [m for m in modes if m in STOCK_MODES]
+
+
 def _parsed(option: str, parse: Callable[[Any], Any], value: Any) -> Any:
     """``parse(value)``, its InputError naming ``option``."""
     try:
@@ -192,6 +224,7 @@ class _Request:
     """What the command line asks, parsed and checked, its prompts loaded."""
 
     modes: list[str]
+    compile: list[str]
     max_new_tokens: int
     target: str
     draft: str | None
@@ -250,7 +283,8 @@ def _spec_settings(
 
 def _read_request(args: argparse.Namespace) -> _Request:
     """The arguments through the session's parsers (the values and limits of the app and the recorder)."""
-    modes = _parse_modes(args.modes)
+    compile_choices = _parse_compile(args.compile)
+    modes = _variant_modes(_parse_modes(args.modes), compile_choices)
     max_new_tokens = _parsed("--max-new-tokens", parse_max_new_tokens, args.max_new_tokens)
     draft_length = _draft_length(args)
     if args.warmup < 0 or args.repeats < 1:
@@ -263,7 +297,7 @@ def _read_request(args: argparse.Namespace) -> _Request:
     prompts = load_prompts(args.prompts, categories=categories, limit=args.limit, per_category=args.per_category)
     spec = _spec_settings(args, draft_length, eagle_head)
     SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed).validate()
-    return _Request(modes, max_new_tokens, target, draft, needs_draft, categories, prompts, spec)
+    return _Request(modes, compile_choices, max_new_tokens, target, draft, needs_draft, categories, prompts, spec)
 
 
 def _load_models(args: argparse.Namespace, request: _Request) -> _Models:
@@ -283,7 +317,7 @@ def _load_models(args: argparse.Namespace, request: _Request) -> _Models:
     uag_draft = None
     if args.uag_draft and any(drafts_with_other_tokenizer(m) for m in request.modes):
         uag_draft = load_model(args.uag_draft, load, progress=not args.quiet)
-    for mode in request.modes:  # a misfit pair (heads that do not fit, another tokenizer): one line before any run
+    for mode in dict.fromkeys(split_mode(m)[0] for m in request.modes):  # a misfit pair: one line before any run
         if mode in METHODS:
             check_pair(replace(request.spec, mode=mode), target, mode_draft(mode, draft, uag_draft))
     return _Models(choice, target, draft, uag_draft)
@@ -317,6 +351,7 @@ def _bench_config(args: argparse.Namespace, request: _Request, target: LoadedMod
         categories=request.categories,
         suffix_memory=args.suffix_memory == "on",
         passes=args.passes,
+        compile=request.compile,
         draft_settings={
             k: v for k, v in asdict(spec).items()
             if k not in ("mode", "num_draft_tokens_schedule", "num_draft_tokens", "max_num_draft_tokens")
@@ -330,7 +365,7 @@ def _calibrate(calibration: str, request: _Request, models: _Models) -> CostCurv
         return None
     # the session's calibration call: the draft's step as the first mode that drafts with it runs it
     draft = models.draft
-    drafting = next((m for m in request.modes if m in METHODS and mode_draft(m, draft, models.uag_draft) is draft
+    drafting = next((m for m in (split_mode(n)[0] for n in request.modes) if m in METHODS and mode_draft(m, draft, models.uag_draft) is draft
                      and METHODS[m].needs_draft_model), "draft")
     curve = calibrate_pair(models.target, draft, replace(request.spec, mode=drafting), refresh=calibration == "refresh")
     print(curve.summary(), flush=True)
@@ -341,7 +376,8 @@ def _complete_report(report: dict, curve: CostCurve | None, request: _Request, m
     """Add the cost curve, the format choice and the methods to the report; warn when the cached curve is stale."""
     report["calibration"] = curve.as_dict() if curve is not None else None
     report["format"] = models.choice.as_dict()
-    report["methods"] = describe_methods(request.spec, models.target, request.modes)
+    report["methods"] = describe_methods(request.spec, models.target,
+                                         list(dict.fromkeys(split_mode(m)[0] for m in request.modes)))
     report["calibration_stale"] = refresh_if_stale(curve, plain_step_seconds(report["results"]), models.choice)
     if report["calibration_stale"]:
         print(f"warning: the cached cost curve is stale ({report['calibration_stale']}); it is measured again "
@@ -380,8 +416,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         models = _load_models(args, request)
         config = _bench_config(args, request, models.target)
         curve = _calibrate(args.calibration, request, models)
+        variants = {(choice if len(request.compile) > 1 else ""): choose_passes(choice, models.target)
+                    for choice in request.compile}
         report = run_benchmark(config, models.target, models.draft, request.prompts, request.spec,
-                               progress=not args.quiet, uag_draft=models.uag_draft, calibration=curve)
+                               progress=not args.quiet, uag_draft=models.uag_draft, calibration=curve,
+                               variants=variants)
         _complete_report(report, curve, request, models)
     except (InputError, PromptFileError, ModelLoadError, OfflinePackError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -25,6 +25,37 @@ logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# modes run in several variants (``--compile on,off``)
+
+#: between a mode and its variant in a mode's name: ``draft@on`` is draft mode with ``--compile on``
+VARIANT_MARK = "@"
+
+
+def split_mode(name: str) -> tuple[str, str]:
+    """(mode, variant) of a bench mode's name: ``("draft", "on")`` for ``draft@on``, ``("draft", "")`` for
+    ``draft``."""
+    mode, _, variant = name.partition(VARIANT_MARK)
+    return mode, variant
+
+
+def with_variant(mode: str, variant: str) -> str:
+    return f"{mode}{VARIANT_MARK}{variant}" if variant else mode
+
+
+def plain_of(name: str, modes: list[str]) -> str:
+    """The plain run a mode is set against: plain decoding of its own variant (for transformers' modes, which run
+    once, the first plain run of the bench)."""
+    mode, variant = split_mode(name)
+    if variant:
+        return with_variant("plain", variant)
+    return "plain" if "plain" in modes else next((m for m in modes if split_mode(m)[0] == "plain"), "plain")
+
+
+def is_plain(name: str) -> bool:
+    return split_mode(name)[0] == "plain"
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # aggregation
 
 
@@ -47,7 +78,8 @@ def repeat_rates(rows: list[dict]) -> list[float]:
 
 def plain_step_seconds(results: list[dict]) -> float | None:
     """Seconds per plain decoding step over a run's plain rows (the prompt pass and its first token left out)."""
-    rows = [r for r in results if r["mode"] == "plain" and r.get("prefill_seconds") is not None]
+    plain = plain_of("plain", list(dict.fromkeys(r["mode"] for r in results)))
+    rows = [r for r in results if r["mode"] == plain and r.get("prefill_seconds") is not None]
     steps = sum(len(r["new_token_ids"]) - 1 for r in rows)
     seconds = sum(r["seconds"] - r["prefill_seconds"] for r in rows)
     return seconds / steps if steps > 0 and seconds > 0 else None
@@ -92,7 +124,7 @@ def _add_speedups(
     entry["decode_speedup"] = decode_speedup(rate_after_prefill, plain.decode_rate)
     per_prompt = [r["speedup"] for r in rows if r.get("speedup") is not None]
     entry["per_prompt_speedup_min"] = min(per_prompt) if per_prompt else None
-    if mode != "plain":  # repeat i of this mode ran beside repeat i of plain (the same prompts, interleaved)
+    if not is_plain(mode):  # repeat i of this mode ran beside repeat i of plain (the same prompts, interleaved)
         entry["speedup_by_repeat"] = [
             rate_i / plain_i if plain_i > 0 else None for rate_i, plain_i in zip(rates, plain.repeat_rates)
         ]
@@ -109,7 +141,7 @@ def _add_drafting(entry: dict[str, Any], mode: str, total: Counters, plain_count
     entry["tokens_per_target_pass"] = total.new_tokens / total.target_passes if total.target_passes else None
     if total.accepted_by_source:  # a drafter with several parts (EAGLE's head and its lookup branch)
         entry["accepted_by_source"] = dict(sorted(total.accepted_by_source.items()))
-    if METHODS[mode].needs_hidden_states:  # heads on the target: head k's acceptance, given the heads before
+    if METHODS[split_mode(mode)[0]].needs_hidden_states:  # heads on the target: head k's acceptance, given the heads before
         entry["per_head_acceptance"] = metrics.conditional_acceptance
     if plain_counters is None:
         return
@@ -130,28 +162,33 @@ def _add_drafting(entry: dict[str, Any], mode: str, total: Counters, plain_count
 
 def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, str], Counters]) -> dict[str, dict]:
     """Per mode: tokens/s over all its prompts, speedup against plain (and per repeat), acceptance, accepted
-    length."""
+    length. Modes run in several variants are each set against their own variant's plain run, and every mode's
+    ``speedup_vs`` gives its rate over each variant's plain rate too."""
     summary: dict[str, dict] = {}
-    plain = _Plain()
-    for mode in modes:
+    plains: dict[str, _Plain] = {}
+    for mode in sorted(modes, key=lambda name: not is_plain(name)):  # every plain first: the others' reference
         rows = [r for r in results if r["mode"] == mode]
         if not rows:
             continue
         entry, prefill_seconds, rate_after_prefill = _totals(rows)
         rates = repeat_rates(rows)
         mode_counters = [counters[(r["id"], mode)] for r in rows if (r["id"], mode) in counters]
-        if mode == "plain":
+        if is_plain(mode):
             plain_counters = Counters.total(mode_counters) if mode_counters else None
-            plain = _Plain(entry["tokens_per_s"], rate_after_prefill, rates, plain_counters)
+            plains[mode] = _Plain(entry["tokens_per_s"], rate_after_prefill, rates, plain_counters)
             entry["mean_accepted_length"] = 1.0
             seconds = entry["seconds"]
             entry["prefill_share"] = prefill_seconds / seconds if prefill_seconds is not None and seconds > 0 else None
+        plain = plains.get(plain_of(mode, modes), _Plain())
         if plain.rate:
             _add_speedups(entry, mode, rows, rate_after_prefill, rates, plain)
-        if mode_counters and mode != "plain":
+        if len(plains) > 1:
+            entry["speedup_vs"] = {name: entry["tokens_per_s"] / other.rate for name, other in plains.items()
+                                   if other.rate}
+        if mode_counters and not is_plain(mode):
             _add_drafting(entry, mode, Counters.total(mode_counters), plain.counters)
         summary[mode] = entry
-    return summary
+    return {mode: summary[mode] for mode in modes if mode in summary}
 
 
 def environment(target: LoadedModel) -> dict[str, Any]:
@@ -238,7 +275,7 @@ def plot(summary: dict[str, dict], by_category: dict[str, dict[str, dict]], path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = [m for m in summary if m != "plain"]
+    modes = [m for m in summary if not is_plain(m)]
     categories = list(by_category) + ["ALL"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(modes))

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from .backends.loading import LoadedModel
 from .backends.suffix_trees import SuffixMemory
-from .bench_report import aggregate, environment
+from .bench_report import aggregate, environment, plain_of, split_mode
 from .core.clock import now
 from .core.economics import CostCurve
 from .core.errors import InputError
@@ -25,6 +25,7 @@ from .core.loop import collect
 from .core.metrics import decode_rate, decode_speedup
 from .core.settings import GenerationSettings, SamplingSettings
 from .methods import METHODS, Method, SpecSettings
+from .session.compiling import EAGER, CompileOutcome, Passes, compile_graphs, longest_draft_of
 from .session.config import WARMUP_TOKENS
 from .session.pipeline import encode_prompt, plain_events, spec_events
 from .session.prompts import Prompt
@@ -76,6 +77,8 @@ class BenchConfig:
     #: runs); off: from each prompt's own text alone
     suffix_memory: bool = True
     passes: int = 1  # the prompt set raced this many times in a row (later passes meet earlier answers again)
+    #: ``--compile``: how the target's passes run; several choices run every engine mode in each (``draft@on``)
+    compile: list[str] = field(default_factory=lambda: ["auto"])
     draft_settings: dict[str, Any] = field(default_factory=dict)  # draft head, int8, n-gram sizes and rule, heads
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -86,6 +89,7 @@ class BenchConfig:
 
 def _declared(mode: str) -> Method | StockMode | None:
     """What the registries say ``mode`` is: the engine's method, transformers' stock mode, or None (plain)."""
+    mode = split_mode(mode)[0]
     return METHODS[mode] if mode in METHODS else STOCK_MODES.get(mode)
 
 
@@ -117,21 +121,24 @@ def run_mode(
     uag_draft: LoadedModel | None = None,
     calibration: CostCurve | None = None,
     memory: SuffixMemory | None = None,
+    passes: Passes = EAGER,
+    cache_tokens: int | None = None,
 ) -> ModeRun:
     """One timed run of ``mode`` on ``prompt_ids``: plain decoding, one of the engine's modes, or a stock one;
-    ``memory``: the earlier answers a mode that drafts from them reads."""
+    ``memory``: the earlier answers a mode that drafts from them reads; ``passes``: how the engine's target passes
+    run; ``cache_tokens``: the longest sequence of the bench (a stock static cache is sized for it once)."""
     draft = mode_draft(mode, draft, uag_draft)
     if mode in STOCK_MODES:
-        stock = run_stock(mode, target, draft, prompt_ids, settings, lookup_tokens)
+        stock = run_stock(mode, target, draft, prompt_ids, settings, lookup_tokens, cache_tokens)
         return ModeRun(stock.ids, stock.text, stock.seconds, None)
 
     # wall clock around the whole run, bookkeeping and detokenization included, as for the transformers modes
     start = now(target.device)
     if mode == "plain":
-        final: RoundEvent = collect(plain_events(target, prompt_ids, settings))
+        final: RoundEvent = collect(plain_events(target, prompt_ids, settings, passes))
     else:
         mode_spec = replace(spec, mode=mode)
-        final = collect(spec_events(target, draft, prompt_ids, settings, mode_spec, calibration, memory))
+        final = collect(spec_events(target, draft, prompt_ids, settings, mode_spec, calibration, memory, passes))
     seconds = now(target.device) - start
     return ModeRun(final.new_token_ids, final.text, seconds, final.counters)
 
@@ -171,6 +178,10 @@ class BenchRun:
     calibration: CostCurve | None
     #: the answers of the prompts timed so far, for the modes that draft from them (None: memory off or no such mode)
     memory: SuffixMemory | None = None
+    #: how the target's passes run, per variant of the modes ("" when every mode runs once)
+    variants: dict[str, CompileOutcome] = field(default_factory=dict)
+    #: the longest prompt and answer of the bench, in tokens (set by :meth:`encode`)
+    longest: int | None = None
 
     @property
     def sampling(self) -> SamplingSettings:
@@ -180,8 +191,11 @@ class BenchRun:
         return GenerationSettings(max_new_tokens=max_new_tokens, sampling=self.sampling, collect_probs=False)
 
     def run(self, mode: str, prompt_ids: list[int], settings: GenerationSettings) -> ModeRun:
-        return run_mode(mode, self.target, self.draft, prompt_ids, settings, self.spec, self.config.hf_lookup_tokens,
-                        self.uag_draft, self.calibration, self.memory if _drafts_from_memory(mode) else None)
+        base, variant = split_mode(mode)
+        outcome = self.variants.get(variant)
+        return run_mode(base, self.target, self.draft, prompt_ids, settings, self.spec, self.config.hf_lookup_tokens,
+                        self.uag_draft, self.calibration, self.memory if _drafts_from_memory(mode) else None,
+                        outcome.passes if outcome is not None else EAGER, self.longest)
 
     def encode(self, prompts: list[Prompt]) -> list[tuple[Prompt, list[int]]]:
         """Each prompt's token ids, checked against the target's limits (the error names the prompt)."""
@@ -192,7 +206,18 @@ class BenchRun:
                 check_lengths(self.target, ids, settings)
             except InputError as error:
                 raise InputError(f"prompt {prompt.id}: {error}") from None
+        self.longest = max(len(ids) for _, ids in encoded) + self.config.max_new_tokens
         return encoded
+
+    def compile(self) -> None:
+        """Make every graph each variant's passes use (printed), before anything is timed."""
+        engine_modes = [split_mode(mode) for mode in self.config.modes if split_mode(mode)[0] not in STOCK_MODES]
+        longest_draft = longest_draft_of(self.spec)
+        for variant, outcome in self.variants.items():
+            hidden = {METHODS[mode].needs_hidden_states for mode, of in engine_modes if of == variant and mode in METHODS}
+            outcome = compile_graphs(outcome, self.target, hidden, longest_draft + 1)
+            self.variants[variant] = outcome
+            print(f"{variant or 'passes'}: {outcome.describe()}", flush=True)
 
     def warm(self, prompt_ids: list[int]) -> None:
         """The session's warm-up (the app's and the recorder's too) for the engine's modes, generate() for the
@@ -201,14 +226,16 @@ class BenchRun:
         tokens = min(WARMUP_TOKENS, self.config.max_new_tokens)
         warm = self.settings(tokens)
         for _ in range(self.config.warmup):
-            for mode in self.config.modes:
+            for name in self.config.modes:
+                mode, variant = split_mode(name)
+                passes = self.variants[variant].passes if variant in self.variants else EAGER
                 if mode in STOCK_MODES:
                     self.run(mode, prompt_ids, warm)
                 elif mode == "plain":
-                    warm_up(self.target, None, prompt_ids, sampling, None, tokens)
+                    warm_up(self.target, None, prompt_ids, sampling, None, tokens, passes=passes)
                 else:
                     warm_up(self.target, mode_draft(mode, self.draft, self.uag_draft), prompt_ids, sampling,
-                            replace(self.spec, mode=mode), tokens, plain=False)
+                            replace(self.spec, mode=mode), tokens, plain=False, passes=passes)
 
     def time_prompt(self, index: int, prompt_ids: list[int], bar: tqdm) -> dict[str, list[ModeRun]]:
         """Every mode's ``config.repeats`` runs on the prompt, modes interleaved in an order rotated by ``index``."""
@@ -241,7 +268,7 @@ class BenchRun:
             "tokens_per_s": len(run.ids) / run.seconds if run.seconds > 0 else 0.0,
             "decode_speedup": decode,
         }
-        if mode == "plain":
+        if mode == plain_of(mode, self.config.modes):
             entry["prompt_ids"] = list(prompt_ids)  # lets `python -m specdemo.replay` replay drafting rules offline
         return entry
 
@@ -260,7 +287,8 @@ class BenchRun:
             runs = self.time_prompt(index, ids, bar)
             chosen = {mode: _median(mode_runs) for mode, mode_runs in runs.items()}
             for mode, run in chosen.items():
-                results.append({**self.row(prompt, ids, mode, run, runs[mode], chosen.get("plain")), "pass": number})
+                plain = chosen.get(plain_of(mode, self.config.modes))
+                results.append({**self.row(prompt, ids, mode, run, runs[mode], plain), "pass": number})
                 if run.counters is not None:
                     counters[(prompt.id, mode)] = run.counters
             self.remember(chosen)
@@ -277,6 +305,7 @@ class BenchRun:
 
 def _drafts_from_memory(mode: str) -> bool:
     """Whether ``mode`` drafts from the answers of earlier prompts."""
+    mode = split_mode(mode)[0]
     return mode in METHODS and METHODS[mode].drafts_from_memory
 
 
@@ -294,13 +323,16 @@ def run_benchmark(
     progress: bool = True,
     uag_draft: LoadedModel | None = None,
     calibration: CostCurve | None = None,
+    variants: dict[str, CompileOutcome] | None = None,
 ) -> dict:
-    """Encode the prompts, warm every mode up, time every mode on every prompt, and summarise: the report."""
+    """Encode the prompts, compile and warm every mode up, time every mode on every prompt, and summarise: the
+    report. ``variants``: how the target's passes run, per variant of the modes (default: eager)."""
     memory = None
     if config.suffix_memory and any(_drafts_from_memory(mode) for mode in config.modes):
         memory = SuffixMemory()
-    bench = BenchRun(config, target, draft, uag_draft, spec, calibration, memory)
+    bench = BenchRun(config, target, draft, uag_draft, spec, calibration, memory, dict(variants or {}))
     encoded = bench.encode(prompts)
+    bench.compile()
     bench.warm(encoded[0][1])  # before any answer is remembered
     results, counters = bench.run_prompts(encoded, progress)
     summary = aggregate(results, config.modes, counters)
@@ -315,6 +347,7 @@ def run_benchmark(
         "summary": summary,
         "by_category": by_category,
         "suffix_memory": memory.describe() if memory is not None else None,  # what it held at the end
+        "compile": {variant: outcome.as_record() for variant, outcome in bench.variants.items()},
     }
     if config.passes > 1:
         report["by_pass"] = {

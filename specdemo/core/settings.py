@@ -16,6 +16,8 @@ logger = logging.getLogger(__name__)
 MAX_NUM_DRAFT_TOKENS = 64
 #: the most new tokens a run may write
 MAX_NEW_TOKENS = 32768
+#: how the target's passes run (``--compile``): compiled where it pays (auto), compiled, or eager
+COMPILE_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)

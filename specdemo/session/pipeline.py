@@ -14,8 +14,8 @@ import torch
 
 from ..backends.loading import CacheKey, LoadedModel, clear_model_cache
 from ..backends.memory import return_free_memory
+from ..backends.static_lm import forget_compiled
 from ..backends.suffix_trees import SuffixMemory
-from ..backends.transformers_lm import CachedLM
 from ..core.economics import CostCurve
 from ..core.errors import InputError
 from ..core.events import RoundEvent
@@ -23,6 +23,7 @@ from ..core.loop import plain_decode, speculative_decode
 from ..core.settings import GenerationSettings
 from ..methods import SpecSettings, get_method, make_drafter, make_spec_policy
 from ..methods.uag import shared_vocabulary, token_bytes
+from .compiling import EAGER, PLAIN_ROLE, SPEC_ROLE, Passes
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,12 @@ def release_models(keep: Collection[CacheKey] = ()) -> None:
     """Free every loaded model but those under the cache keys in ``keep``, with what was made from them.
 
     The int8 copies and heads of drafts are keyed weakly by their model and go with it; the tokenizer tables of
-    different-tokenizer drafting are cleared; freed heap pages go back to the system (glibc) so the process's
-    resident memory falls, not only Python's.
+    different-tokenizer drafting are cleared; compiled graphs are dropped (they may hold the models they were made
+    for; the next run compiles what it uses in its warm-up); freed heap pages go back to the system (glibc) so the
+    process's resident memory falls, not only Python's.
     """
     clear_model_cache(keep)
+    forget_compiled()
     token_bytes.cache_clear()
     shared_vocabulary.cache_clear()
     return_free_memory()
@@ -73,8 +76,12 @@ def policy_prior(
     return calibration
 
 
-def plain_events(target: LoadedModel, prompt_ids: list[int], settings: GenerationSettings) -> Iterator[RoundEvent]:
-    return plain_decode(CachedLM(target.model), prompt_ids, settings, target.eos_token_ids, target.tokenizer)
+def plain_events(
+    target: LoadedModel, prompt_ids: list[int], settings: GenerationSettings, passes: Passes = EAGER
+) -> Iterator[RoundEvent]:
+    """The plain side of a run; ``passes``: how the target's passes run (the same for both sides)."""
+    lm = passes.language_model(target, prompt_ids, settings, PLAIN_ROLE)
+    return plain_decode(lm, prompt_ids, settings, target.eos_token_ids, target.tokenizer)
 
 
 def spec_events(
@@ -85,13 +92,14 @@ def spec_events(
     spec: SpecSettings,
     calibration: CostCurve | None = None,
     memory: SuffixMemory | None = None,
+    passes: Passes = EAGER,
 ) -> Iterator[RoundEvent]:
     """The speculative side of a run; ``calibration`` (this machine's cost curve for this target and format, see
     :mod:`specdemo.session.calibration`) gives the adaptive draft length somewhere to start from; ``memory``: the
-    answers of earlier races, for a mode that drafts from them (suffix decoding)."""
+    answers of earlier races, for a mode that drafts from them (suffix decoding); ``passes``: how the target's
+    passes run."""
     prior = policy_prior(calibration, target, draft, spec.mode)
     policy = make_spec_policy(spec, target, settings, prior)
     drafter = make_drafter(spec, target, draft, settings, policy, memory)
-    return speculative_decode(
-        CachedLM(target.model), drafter, policy, prompt_ids, settings, target.eos_token_ids, target.tokenizer
-    )
+    lm = passes.language_model(target, prompt_ids, settings, SPEC_ROLE)
+    return speculative_decode(lm, drafter, policy, prompt_ids, settings, target.eos_token_ids, target.tokenizer)

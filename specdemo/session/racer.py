@@ -42,6 +42,7 @@ from ..core.settings import GenerationSettings, SamplingSettings
 from ..methods import SpecSettings, check_pair, describe_methods
 from .calibration import AUTO_FORMATS, FormatChoice, calibrate, choose_format, measures_formats, refresh_if_stale
 from .config import WARMUP_TOKENS, SessionConfig
+from .compiling import EAGER, Passes
 from .pipeline import encode_prompt, plain_events, spec_events
 from .race import race
 from .racelog import RaceSettings
@@ -104,17 +105,18 @@ def warm_up(
     spec: SpecSettings | None,
     tokens: int = WARMUP_TOKENS,
     plain: bool = True,
+    passes: Passes = EAGER,
 ) -> float:
     """One short untimed run of plain decoding (unless ``plain`` is False) and of ``spec``'s mode (when given), so
-    that no timed run pays first-call costs; the seconds it took."""
+    that no timed run pays first-call costs; the seconds it took. ``passes``: how the target's passes run."""
     if tokens <= 0:
         return 0.0
     started = time.perf_counter()
     warm = GenerationSettings(max_new_tokens=tokens, sampling=sampling, collect_probs=False)
     if plain:
-        collect(plain_events(target, prompt_ids, warm))
+        collect(plain_events(target, prompt_ids, warm, passes))
     if spec is not None:
-        collect(spec_events(target, draft, prompt_ids, warm, spec))
+        collect(spec_events(target, draft, prompt_ids, warm, spec, passes=passes))
     return time.perf_counter() - started
 
 

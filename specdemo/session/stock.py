@@ -35,6 +35,8 @@ class StockMode:
     other_tokenizer: bool = False
     #: ``generate`` drafts by prompt lookup, ``prompt_lookup_num_tokens`` at a time
     prompt_lookup: bool = False
+    #: ``generate`` runs on a static cache and compiles its one-token step itself (on every device)
+    static_cache: bool = False
 
 
 #: transformers' own implementations, run in the same process for comparison
@@ -42,6 +44,8 @@ STOCK_MODES: dict[str, StockMode] = {
     mode.name: mode
     for mode in (
         StockMode("hf-plain", "model.generate(do_sample=...) (stock baseline)"),
+        StockMode("hf-static", "model.generate(cache_implementation='static'), compiled by generate itself "
+                  "(CUDA graphs on a GPU, inductor on a CPU)", static_cache=True),
         StockMode("hf-assisted", "model.generate(assistant_model=draft), transformers' defaults",
                   needs_draft_model=True),
         StockMode("hf-lookup", "model.generate(prompt_lookup_num_tokens=N)", prompt_lookup=True),
@@ -86,6 +90,21 @@ def generation_config(target: LoadedModel, settings: GenerationSettings) -> Gene
     return config
 
 
+def static_generation(config: GenerationConfig, device: torch.device, cache_tokens: int | None) -> None:
+    """``config`` with a static cache of ``cache_tokens`` (one size for every call, so ``generate`` compiles its
+    step once) and ``generate``'s own compilation: CUDA graphs on a GPU; on a CPU, where ``generate`` does not
+    compile unless told to, inductor."""
+    from transformers import CompileConfig
+
+    config.cache_implementation = "static"
+    if cache_tokens is not None:
+        config.max_cache_len = cache_tokens
+    compile_config = CompileConfig(mode="reduce-overhead" if device.type == "cuda" else "default")
+    # transformers' own switch for compiling on devices its criteria leave out (the CPU); no public setter
+    compile_config._compile_all_devices = True
+    config.compile_config = compile_config
+
+
 def _generate_kwargs(
     mode: StockMode, target: LoadedModel, draft: LoadedModel | None, lookup_tokens: int
 ) -> dict[str, Any]:
@@ -109,9 +128,15 @@ def run_stock(
     prompt_ids: list[int],
     settings: GenerationSettings,
     lookup_tokens: int,
+    cache_tokens: int | None = None,
 ) -> StockRun:
-    """One run of the stock mode ``name`` on ``prompt_ids``, timed around ``generate`` alone."""
-    kwargs = _generate_kwargs(STOCK_MODES[name], target, draft, lookup_tokens)
+    """One run of the stock mode ``name`` on ``prompt_ids``, timed around ``generate`` alone; ``cache_tokens``: the
+    longest prompt and answer of the whole comparison (a static cache is sized for it)."""
+    mode = STOCK_MODES[name]
+    kwargs = _generate_kwargs(mode, target, draft, lookup_tokens)
+    config = generation_config(target, settings)
+    if mode.static_cache:
+        static_generation(config, target.device, cache_tokens)
     input_ids = torch.tensor([prompt_ids], device=target.device)
     if settings.sampling.seed is not None:
         torch.manual_seed(settings.sampling.seed)  # transformers samples from the global RNG (bench process only)
@@ -120,7 +145,7 @@ def run_stock(
         out = target.model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
-            generation_config=generation_config(target, settings),
+            generation_config=config,
             **kwargs,
         )
     seconds = now(target.device) - start

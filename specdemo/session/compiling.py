@@ -1,0 +1,171 @@
+"""Whether a run's target passes are compiled: the ``--compile auto|on|off`` choice, made once per run before
+anything is timed, and the warm-up that makes the graphs.
+
+``off`` is the eager path every earlier figure was measured on (:class:`~specdemo.backends.transformers_lm.CachedLM`);
+``on`` runs both sides of a race on :class:`~specdemo.backends.static_lm.StaticLM`, compiled with ``torch.compile``
+(CUDA graphs on a GPU, inductor on a CPU); ``auto`` compiles on a GPU and stays eager on a CPU (compiled passes have
+not been measured faster there). Whatever is chosen, a compilation that cannot happen (no C++ compiler for inductor,
+a model without a static cache, ZeroGPU, an error while compiling) falls back to eager with one line saying why,
+before the race starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field, replace
+from typing import Collection, Sequence
+
+import torch
+
+from ..backends.loading import LoadedModel
+from ..backends.static_lm import PASS_SIZES, StaticLM, pass_size, supports_static_cache
+from ..backends.transformers_lm import CachedLM
+from ..core.errors import InputError, first_line
+from ..core.protocol import LanguageModel
+from ..core.settings import COMPILE_CHOICES, GenerationSettings
+from ..methods import SpecSettings
+
+logger = logging.getLogger(__name__)
+
+#: the roles of a target's sequences in a race: each keeps its own static buffers (and graphs)
+PLAIN_ROLE, SPEC_ROLE = "plain", "spec"
+
+
+@dataclass(frozen=True)
+class Passes:
+    """How a run's target passes run, the same for both sides of a race: ``compile_mode`` None: eager on a growing
+    cache (or, ``static``, on a static cache: the compiled passes' cache handling without a compiler); else on a
+    static cache, compiled with this ``torch.compile`` mode."""
+
+    compile_mode: str | None = None
+    static: bool = False
+
+    def language_model(
+        self, target: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSettings, role: str
+    ) -> LanguageModel:
+        """The target as the decoding loop sees it, for one run of ``settings`` after ``prompt_ids``."""
+        if self.compile_mode is None and not self.static:
+            return CachedLM(target.model)
+        return StaticLM(target.model, len(prompt_ids) + settings.max_new_tokens, self.compile_mode, role)
+
+
+EAGER = Passes()
+
+
+@dataclass
+class CompileOutcome:
+    """What ``--compile`` gave: the passes a run uses, why, and what compiling them cost."""
+
+    choice: str
+    passes: Passes = EAGER
+    reason: str = ""
+    seconds: float = 0.0
+    #: the pass sizes compiled (rows), per side
+    compiled: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def compiled_passes(self) -> bool:
+        return self.passes.compile_mode is not None
+
+    def describe(self) -> str:
+        """One line for a header or a page: compiled or eager, why, and how long compiling took."""
+        if not self.compiled_passes:
+            return f"eager passes (--compile {self.choice}): {self.reason}"
+        sizes = sorted({size for sizes in self.compiled.values() for size in sizes})
+        timing = f", {self.seconds:.1f} s to compile {len(sizes)} pass sizes" if self.compiled else ""
+        return f"compiled passes ({self.passes.compile_mode}, --compile {self.choice}): {self.reason}{timing}"
+
+    def as_record(self) -> dict:
+        """The outcome for a results JSON or a race log."""
+        return {"choice": self.choice, "compile_mode": self.passes.compile_mode, "reason": self.reason,
+                "compile_seconds": round(self.seconds, 2), "compiled_pass_sizes": self.compiled}
+
+
+def check_compile_choice(choice: str) -> str:
+    if choice not in COMPILE_CHOICES:
+        raise InputError(f"--compile must be one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
+    return choice
+
+
+def _why_not(target: LoadedModel, zero_gpu: bool) -> str | None:
+    """Why the target's passes cannot be compiled here (one line), or None."""
+    if zero_gpu:
+        return "ZeroGPU cannot compile at run time"
+    unsupported = supports_static_cache(target.model)
+    if unsupported:
+        return unsupported
+    if target.device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+        return "no C++ compiler for torch.compile's CPU code on this machine"
+    return None
+
+
+def choose_passes(choice: str, target: LoadedModel, zero_gpu: bool = False) -> CompileOutcome:
+    """The passes ``--compile choice`` gives for ``target`` on this machine (nothing is compiled yet)."""
+    check_compile_choice(choice)
+    if choice == "off":
+        return CompileOutcome(choice, EAGER, "as asked")
+    why_not = _why_not(target, zero_gpu)
+    if why_not:
+        if choice == "on":
+            logger.warning("--compile on: eager passes instead: %s", why_not)
+        return CompileOutcome(choice, EAGER, why_not)
+    on_gpu = target.device.type == "cuda"
+    if choice == "auto" and not on_gpu:
+        return CompileOutcome(choice, EAGER, "on a CPU, compiled passes have not been measured faster than eager")
+    mode = "reduce-overhead" if on_gpu else "default"
+    reason = "CUDA graphs on the GPU" if on_gpu else "inductor on the CPU"
+    return CompileOutcome(choice, Passes(mode), reason)
+
+
+def longest_draft_of(spec: SpecSettings) -> int:
+    """The most tokens one round of ``spec`` drafts: its fixed draft length, else its policy's longest."""
+    if spec.num_draft_tokens_schedule == "fixed" and spec.num_draft_tokens is not None:
+        return spec.num_draft_tokens
+    return max(spec.max_num_draft_tokens, spec.num_draft_tokens or 0)
+
+
+def sizes_up_to(max_rows: int) -> list[int]:
+    """The padded pass sizes a run whose passes hold at most ``max_rows`` rows meets (a larger pass than the
+    largest size runs eagerly)."""
+    largest = pass_size(max(max_rows, 1)) or PASS_SIZES[-1]
+    return [size for size in PASS_SIZES if size <= largest]
+
+
+def compile_graphs(
+    outcome: CompileOutcome, target: LoadedModel, spec_hidden: Collection[bool], max_rows: int
+) -> CompileOutcome:
+    """Make every graph a run may use, before anything is timed: the plain side's one-token step and, for each
+    value in ``spec_hidden`` (the speculative modes to run ask for the target's hidden states or not), every pass
+    size up to ``max_rows`` rows. A compilation that fails gives eager passes and the reason; the outcome records
+    the seconds it took and the sizes compiled."""
+    if not outcome.compiled_passes:
+        return outcome
+    started = time.perf_counter()
+    spec_sizes = sizes_up_to(max_rows)
+    plan = [(PLAIN_ROLE, [1], False)] + [(SPEC_ROLE, spec_sizes, hidden) for hidden in sorted(set(spec_hidden))]
+    compiled: dict[str, list[int]] = {}
+    try:
+        for role, sizes, hidden in plan:
+            _run_every_size(target, outcome.passes, role, sizes, hidden)
+            compiled[role + (" with hidden states" if hidden else "")] = sizes
+    except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager, before the race
+        logger.warning("compiling the target's passes failed, eager passes instead: %s", first_line(error))
+        return replace(outcome, passes=EAGER, reason=f"compiling failed: {first_line(error)}",
+                       seconds=time.perf_counter() - started, compiled={})
+    seconds = time.perf_counter() - started
+    logger.info("compiled the target's passes in %.1f s: %s", seconds, compiled)
+    return replace(outcome, seconds=seconds, compiled=compiled)
+
+
+def _run_every_size(target: LoadedModel, passes: Passes, role: str, sizes: Sequence[int], with_hidden: bool) -> None:
+    """One pass of every size in ``sizes`` after a one-token prompt, on ``role``'s buffers (then forgotten)."""
+    settings = GenerationSettings(max_new_tokens=max(sizes) + 1)
+    lm = passes.language_model(target, [0], settings, role)
+    with torch.inference_mode():
+        for size in sizes:
+            lm.reset()
+            lm.run(torch.zeros(1, dtype=torch.long), all_logits=False, with_hidden=False)
+            lm.run(torch.zeros(size, dtype=torch.long), with_hidden=with_hidden)
+        lm.reset()

@@ -1,0 +1,278 @@
+"""Compiled passes (``--compile``): the static-cache backend and ``torch.compile`` (inductor on the CPU) write,
+token for token, what eager plain decoding writes, in every mode and number format; a compilation that cannot
+happen falls back to eager before the race; a process keeps a bounded number of graphs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import tiny_app
+import torch
+from tiny import VOCAB, gpt2, llama, qwen2, reference_greedy, save_tiny_eagle_head, save_tiny_heads, save_tiny_pair
+
+from specdemo import bench
+from specdemo.backends import static_lm
+from specdemo.backends.formats import to_int8_format
+from specdemo.backends.loading import LoadedModel, LoadSettings, clear_model_cache
+from specdemo.backends.static_lm import PASS_SIZES, GraphBudget, StaticLM, capacity_for, pass_size
+from specdemo.backends.transformers_lm import CachedLM
+from specdemo.core.loop import collect, plain_decode, speculative_decode
+from specdemo.core.settings import GenerationSettings, SamplingSettings
+from specdemo.methods import SpecSettings
+from specdemo.methods.draft_length import make_policy
+from specdemo.methods.draft_model import DraftModelDrafter
+from specdemo.methods.ngram import NgramDrafter
+from specdemo.session import compiling
+from specdemo.session.compiling import EAGER, Passes, choose_passes, compile_graphs, sizes_up_to
+from specdemo.session.pipeline import encode_prompt, plain_events, release_models, spec_events
+
+COMPILED = Passes("default")  # inductor: what --compile on gives on a CPU
+STATIC = Passes(static=True)  # the static cache alone, no compiler
+PROMPTS = [[5, 7, 9, 11, 5, 7, 9, 3, 2, 1], [1], [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]]
+GREEDY = SamplingSettings()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with tiny_app.one_thread():
+        yield
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the backend
+
+
+def test_pass_sizes_cover_every_draft_and_capacities_are_few():
+    assert pass_size(1) == 1 and pass_size(4) == 5 and pass_size(13) == 17 and pass_size(65) == 65
+    assert pass_size(66) is None  # larger than any: unpadded and eager
+    assert sizes_up_to(13) == [1, 2, 3, 5, 9, 17] and sizes_up_to(1000) == list(PASS_SIZES)
+    assert capacity_for(10) == 1024 and capacity_for(1000) == 2048 and capacity_for(5000) == 8192
+
+
+@pytest.mark.parametrize("make", [llama, qwen2, gpt2])
+def test_a_static_pass_equals_a_cached_one_for_chains_trees_kept_rows_and_hidden_layers(make):
+    model = make(1).eval()
+    passes = []
+    for lm in (CachedLM(model), StaticLM(model, 100)):
+        lm.reset()
+        prompt = lm.run(torch.tensor(PROMPTS[0]), all_logits=False, with_hidden=True, hidden_layers=[0, 2])
+        tree = lm.run(torch.tensor([3, 8, 9, 12, 4, 4, 6]), parents=[-1, 0, 0, 1, 2, 2, -1], with_hidden=True)
+        lm.keep(7, [0, 2, 5])
+        chain = lm.run(torch.tensor([1, 2]), with_hidden=True, hidden_layers=[0, 1, 2])
+        lm.rollback(1)
+        step = lm.run(torch.tensor([7]), all_logits=False, with_hidden=False)
+        assert lm.length == len(PROMPTS[0]) + 3 + 1 + 1
+        passes.append((prompt, tree, chain, step))
+    for cached, static in zip(*passes):
+        assert static.logits.shape == cached.logits.shape
+        torch.testing.assert_close(static.logits, cached.logits, rtol=1e-4, atol=1e-5)
+        if cached.hidden_states is not None:
+            torch.testing.assert_close(static.hidden_states, cached.hidden_states, rtol=1e-4, atol=1e-5)
+
+
+def test_a_pass_that_does_not_fit_the_buffer_is_refused_and_the_sequence_kept():
+    model = llama(1).eval()
+    lm = StaticLM(model, 10)
+    lm.reset()
+    lm.run(torch.arange(1, lm.capacity - 70) % VOCAB, all_logits=False, with_hidden=False)
+    with pytest.raises(ValueError, match="does not fit"):
+        lm.run(torch.arange(80) % VOCAB, with_hidden=False)
+    assert lm.length == lm.capacity - 71
+
+
+def test_two_sides_of_one_model_keep_their_own_buffers():
+    model = llama(1).eval()
+    settings = GenerationSettings(max_new_tokens=20)
+    expected = reference_greedy(model, PROMPTS[2], 20)
+    plain = plain_decode(StaticLM(model, 40, role="plain"), PROMPTS[2], settings)
+    spec = speculative_decode(StaticLM(model, 40, role="spec"), NgramDrafter(1, 3), make_policy("fixed", 3),
+                              PROMPTS[2], settings)
+    finished: dict[str, list[int]] = {}
+    for plain_event, spec_event in itertools.zip_longest(plain, spec):  # interleaved, as a race runs them
+        if plain_event is not None:
+            finished["plain"] = plain_event.new_token_ids
+        if spec_event is not None:
+            finished["spec"] = spec_event.new_token_ids
+    assert finished == {"plain": expected, "spec": expected}
+
+
+@pytest.mark.parametrize("passes", [STATIC, COMPILED], ids=["static", "compiled"])
+@pytest.mark.parametrize("make", [llama, qwen2])
+def test_greedy_output_equals_generate_at_every_length_limit(passes, make):
+    target = make(3).eval()
+    small = make(4, layers=1).eval()
+    for prompt in PROMPTS:
+        expected = reference_greedy(target, prompt, 24)
+        for limit in (1, 2, 5, 24):
+            settings = GenerationSettings(max_new_tokens=limit)
+            lm = StaticLM(target, len(prompt) + limit, passes.compile_mode, "plain")
+            assert collect(plain_decode(lm, prompt, settings)).new_token_ids == expected[:limit]
+            for drafter, k in ((NgramDrafter(1, 3), 4), (DraftModelDrafter(small, GREEDY, VOCAB), 2)):
+                lm = StaticLM(target, len(prompt) + limit, passes.compile_mode, "spec")
+                final = collect(speculative_decode(lm, drafter, make_policy("fixed", k), prompt, settings))
+                assert final.new_token_ids == expected[:limit], (prompt, limit, type(drafter).__name__)
+
+
+def test_eos_inside_an_accepted_draft_stops_there_with_compiled_passes():
+    target = llama(1).eval()
+    prompt = PROMPTS[2]
+    expected = reference_greedy(target, prompt, 30)
+    eos = expected[7]
+    cut = expected[: expected.index(eos) + 1]
+    settings = GenerationSettings(max_new_tokens=30)
+    for k in (2, 5):
+        drafter = DraftModelDrafter(target, GREEDY, VOCAB, head_tokens=0, int8=False)  # accepts everything
+        lm = StaticLM(target, len(prompt) + 30, COMPILED.compile_mode, "spec")
+        final = collect(speculative_decode(lm, drafter, make_policy("fixed", k), prompt, settings, [eos]))
+        assert final.new_token_ids == cut and final.finish_reason == "eos"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "w8a8"])
+def test_the_int8_formats_write_the_same_tokens_compiled(fmt):
+    target = to_int8_format(qwen2(3), fmt).eval()
+    settings = GenerationSettings(max_new_tokens=16)
+    for prompt in (PROMPTS[0], PROMPTS[2]):
+        expected = collect(plain_decode(CachedLM(target), prompt, settings)).new_token_ids
+        lm = StaticLM(target, len(prompt) + 16, COMPILED.compile_mode, "plain")
+        assert collect(plain_decode(lm, prompt, settings)).new_token_ids == expected
+        lm = StaticLM(target, len(prompt) + 16, COMPILED.compile_mode, "spec")
+        final = collect(speculative_decode(lm, NgramDrafter(1, 3), make_policy("fixed", 2), prompt, settings))
+        assert final.new_token_ids == expected
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# every mode, through the session
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("heads")
+    return {"medusa_heads": save_tiny_heads(folder / "medusa", vocab=tiny_app.VOCAB),
+            "eagle_head": save_tiny_eagle_head(folder / "eagle", vocab=tiny_app.VOCAB, draft_vocab=96)}
+
+
+MODES = ["draft", "ngram", "uag", "medusa", "medusa-chain", "eagle", "eagle-chain", "suffix"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_compiled_writes_what_eager_plain_writes(mode, heads):
+    target = tiny_app.loader("tiny:target")
+    draft = tiny_app.loader("tiny:other" if mode == "uag" else "tiny:draft")
+    chain = "chain" in mode or mode in ("draft", "uag", "ngram")
+    spec = SpecSettings(mode=mode, num_draft_tokens_schedule="fixed" if chain else "adaptive",
+                        num_draft_tokens=3 if chain else None, **heads)
+    for text in ("def f ( x ) : return x + y def f ( x ) : return", "hello world the cat sat on the mat"):
+        prompt_ids = encode_prompt(target, text)
+        for limit in (3, 24):
+            settings = GenerationSettings(max_new_tokens=limit, collect_probs=False)
+            expected = collect(plain_events(target, prompt_ids, settings)).new_token_ids
+            assert collect(plain_events(target, prompt_ids, settings, COMPILED)).new_token_ids == expected
+            final = collect(spec_events(target, draft, prompt_ids, settings, spec, passes=COMPILED))
+            assert final.new_token_ids == expected, (mode, text, limit)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the choice, the warm-up, the bound
+
+
+def _loaded(model, device: str = "cpu") -> LoadedModel:
+    return LoadedModel("tiny", model, None, torch.device(device), torch.float32, LoadSettings(dtype="float32"))
+
+
+def test_the_choice_says_why_in_one_line(monkeypatch):
+    target = _loaded(llama(1))
+    assert choose_passes("off", target).passes == EAGER
+    auto = choose_passes("auto", target)
+    assert auto.passes == EAGER and "CPU" in auto.reason and "\n" not in auto.describe()
+    on = choose_passes("on", target)
+    assert on.passes == COMPILED and "inductor" in on.describe()
+    assert "ZeroGPU" in choose_passes("on", target, zero_gpu=True).reason
+    monkeypatch.setattr(compiling.shutil, "which", lambda name: None)
+    no_compiler = choose_passes("on", target)
+    assert no_compiler.passes == EAGER and "C++ compiler" in no_compiler.reason
+    with pytest.raises(Exception, match="--compile must be one of"):
+        choose_passes("fast", target)
+
+
+def test_a_model_with_sliding_window_layers_stays_eager():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    outcome = choose_passes("on", _loaded(MistralForCausalLM(config).eval()))
+    assert outcome.passes == EAGER and "sliding" in outcome.reason
+
+
+def test_the_warm_up_compiles_every_size_and_a_failure_falls_back_to_eager(monkeypatch):
+    target = _loaded(llama(1))
+    outcome = compile_graphs(choose_passes("on", target), target, {False, True}, max_rows=4)
+    assert outcome.passes == COMPILED and outcome.seconds > 0
+    assert outcome.compiled == {"plain": [1], "spec": [1, 2, 3, 5], "spec with hidden states": [1, 2, 3, 5]}
+    assert json.dumps(outcome.as_record())
+
+    def broken(mode):
+        def fail(*args, **kwargs):
+            raise RuntimeError("inductor refused an operation\nsecond line")
+        return fail
+
+    monkeypatch.setattr(static_lm, "compiled_pass", broken)
+    failed = compile_graphs(choose_passes("on", target), target, {False}, max_rows=4)
+    assert failed.passes == EAGER and failed.reason == "compiling failed: inductor refused an operation"
+    assert "eager passes" in failed.describe()
+
+
+def test_past_the_graph_bound_a_pass_size_runs_eagerly(monkeypatch):
+    budget = GraphBudget(limit=2)
+    monkeypatch.setattr(static_lm, "GRAPHS", budget)
+    model = llama(1).eval()
+    settings = GenerationSettings(max_new_tokens=12)
+    expected = reference_greedy(model, PROMPTS[2], 12)
+    lm = StaticLM(model, 40, "default", "spec")
+    final = collect(speculative_decode(lm, NgramDrafter(1, 3), make_policy("fixed", 4), PROMPTS[2], settings))
+    assert final.new_token_ids == expected
+    assert len(budget.made) == 2  # every other size ran eagerly
+
+
+def test_freeing_models_drops_the_compiled_graphs():
+    model = llama(1).eval()
+    lm = StaticLM(model, 20, "default", "plain")
+    collect(plain_decode(lm, PROMPTS[0], GenerationSettings(max_new_tokens=3)))
+    assert static_lm.GRAPHS.made
+    release_models()
+    assert not static_lm.GRAPHS.made
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the bench
+
+
+@pytest.mark.usefixtures("own_cache")
+def test_the_bench_races_compiled_against_eager_in_one_run_beside_stock_static(tmp_path, capsys):
+    target, draft = save_tiny_pair(tmp_path / "pair")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "category": "code", "prompt": "def add(a, b):\n    return a + b\n"})
+                       + "\n")
+    out = tmp_path / "out.json"
+    clear_model_cache()
+    code = bench.main(["--target", target, "--draft", draft, "--prompts", str(prompts), "--dtype", "float32",
+                       "--device", "cpu", "--max-new-tokens", "10", "--modes", "plain,draft,ngram,hf-static",
+                       "--compile", "on,off", "--num-draft-tokens", "3", "--calibration", "off", "--quiet",
+                       "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "on: compiled passes (default, --compile on): inductor on the CPU" in printed
+    assert "off: eager passes (--compile off): as asked" in printed
+    report = json.loads(out.read_text())
+    modes = ["plain@on", "draft@on", "ngram@on", "plain@off", "draft@off", "ngram@off", "hf-static"]
+    assert report["config"]["modes"] == modes and report["config"]["compile"] == ["on", "off"]
+    assert report["compile"]["on"]["compile_mode"] == "default" and report["compile"]["on"]["compile_seconds"] > 0
+    assert report["compile"]["on"]["compiled_pass_sizes"] == {"plain": [1], "spec": [1, 2, 3, 5]}
+    assert report["compile"]["off"]["compile_mode"] is None
+    plain = next(r for r in report["results"] if r["mode"] == "plain@off")["new_token_ids"]
+    assert all(r["new_token_ids"] == plain and r["identical"] for r in report["results"])
+    summary = report["summary"]
+    assert summary["plain@on"]["speedup"] == pytest.approx(1.0) and summary["plain@off"]["speedup"] == pytest.approx(1.0)
+    assert summary["draft@on"]["speedup_vs"]["plain@off"] > 0 and summary["draft@on"]["acceptance_rate"] is not None
+    assert "prompt_ids" in next(r for r in report["results"] if r["mode"] == "plain@on")
