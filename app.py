@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Sequence
 
+from specdemo.core.settings import COMPILE_CHOICES
 from specdemo.session.presets import PRESETS
 from specdemo.session.request import DTYPES
 
@@ -64,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="auto", choices=list(DTYPES),
         help="the target's format, as in the bench (the app's dropdown starts there); auto: on a CPU, the fastest "
         "measured",
+    )
+    parser.add_argument(
+        "--compile", choices=list(COMPILE_CHOICES), default="auto",
+        help="how the target's passes run, as in the bench: auto (compiled on a GPU, eager on a CPU and on ZeroGPU), "
+        "on (a static cache and torch.compile, compiled before a pair and mode's first race) or off",
     )
     custom = os.environ.get("SPECDEMO_CUSTOM_MODELS", "").strip()
     custom_models = parser.add_mutually_exclusive_group()
@@ -154,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         race_time_budget=args.race_time_budget,
         medusa_heads=args.medusa_heads,
         eagle_head=args.eagle_head,
+        compile=args.compile,
+        zero_gpu=spaces_compat.ZERO_GPU,
     )
     demo = build_app(config)
     if args.preload:

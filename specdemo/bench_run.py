@@ -215,7 +215,7 @@ class BenchRun:
         longest_draft = longest_draft_of(self.spec)
         for variant, outcome in self.variants.items():
             hidden = {METHODS[mode].needs_hidden_states for mode, of in engine_modes if of == variant and mode in METHODS}
-            outcome = compile_graphs(outcome, self.target, hidden, longest_draft + 1)
+            outcome = compile_graphs(outcome, self.target, hidden, longest_draft + 1, self.longest or 0)
             self.variants[variant] = outcome
             print(f"{variant or 'passes'}: {outcome.describe()}", flush=True)
 

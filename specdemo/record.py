@@ -20,6 +20,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from .core.errors import InputError, first_line
+from .core.settings import COMPILE_CHOICES
 from .render.recording import FORMATS, write_recording
 from .render.video import VideoSettings
 from .session.racelog import RaceLog, RaceLogError, load
@@ -84,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         "float32, int8 or w8a8",
     )
     race.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
+    race.add_argument(
+        "--compile", choices=list(COMPILE_CHOICES), default="auto",
+        help="how the target's passes run, as in the app and the bench: auto (compiled on a GPU, eager on a CPU), on "
+        "(a static cache and torch.compile, compiled before the race) or off",
+    )
     race.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
@@ -137,7 +143,7 @@ def race_log(args: argparse.Namespace, show_progress: bool) -> RaceLog:
         prompt = args.prompt
     config = SessionConfig(
         pair=args.pair, device=args.device, dtype=args.dtype, max_new_tokens_limit=32768,
-        medusa_heads=args.medusa_heads, eagle_head=args.eagle_head,
+        medusa_heads=args.medusa_heads, eagle_head=args.eagle_head, compile=args.compile,
     )
     racer = Racer(config)
     request = RaceRequest(

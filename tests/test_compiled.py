@@ -207,7 +207,7 @@ def test_a_model_with_sliding_window_layers_stays_eager():
 
 def test_the_warm_up_compiles_every_size_and_a_failure_falls_back_to_eager(monkeypatch):
     target = _loaded(llama(1))
-    outcome = compile_graphs(choose_passes("on", target), target, {False, True}, max_rows=4)
+    outcome = compile_graphs(choose_passes("on", target), target, {False, True}, max_rows=4, max_tokens=100)
     assert outcome.passes == COMPILED and outcome.seconds > 0
     assert outcome.compiled == {"plain": [1], "spec": [1, 2, 3, 5], "spec with hidden states": [1, 2, 3, 5]}
     assert json.dumps(outcome.as_record())
@@ -218,7 +218,7 @@ def test_the_warm_up_compiles_every_size_and_a_failure_falls_back_to_eager(monke
         return fail
 
     monkeypatch.setattr(static_lm, "compiled_pass", broken)
-    failed = compile_graphs(choose_passes("on", target), target, {False}, max_rows=4)
+    failed = compile_graphs(choose_passes("on", target), target, {False}, max_rows=4, max_tokens=100)
     assert failed.passes == EAGER and failed.reason == "compiling failed: inductor refused an operation"
     assert "eager passes" in failed.describe()
 
@@ -276,3 +276,43 @@ def test_the_bench_races_compiled_against_eager_in_one_run_beside_stock_static(t
     assert summary["plain@on"]["speedup"] == pytest.approx(1.0) and summary["plain@off"]["speedup"] == pytest.approx(1.0)
     assert summary["draft@on"]["speedup_vs"]["plain@off"] > 0 and summary["draft@on"]["acceptance_rate"] is not None
     assert "prompt_ids" in next(r for r in report["results"] if r["mode"] == "plain@on")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the app's and the recorder's racer
+
+
+def test_a_race_with_compile_on_compiles_before_it_starts_and_logs_how_it_ran():
+    from specdemo.app.handlers import status_text
+    from specdemo.session.racelog import RaceLog
+    from specdemo.session.racer import Racer
+    from specdemo.session.request import RaceRequest
+
+    racer = Racer(tiny_app.config(compile="on"))
+    messages: list[str] = []
+    request = RaceRequest("def f ( x ) : return x + y def f ( x ) :", "tiny", mode="ngram", num_draft_tokens="3",
+                          max_new_tokens=16, dtype="float32")
+    prepared = racer.prepare(request, lambda fraction, message: messages.append(message))
+    assert any(message.startswith("Compiling the target's passes (inductor on the CPU") for message in messages)
+    assert prepared.compiled.passes == COMPILED and prepared.compiled.compiled == {"plain": [1], "spec": [1, 2, 3, 5]}
+    final = None
+    for final in racer.run(prepared):
+        pass
+    assert final.done and final.plain.counters.new_tokens == 16
+    assert [t.id for t in final.spec.tokens] == [t.id for t in final.plain.tokens]
+    record = RaceLog.from_json(json.loads(json.dumps(final.log().to_json()))).settings.compile
+    assert record["compile_mode"] == "default" and record["compiled_pass_sizes"]["spec"] == [1, 2, 3, 5]
+    assert "Both sides ran compiled passes (inductor on the CPU, compiled in" in status_text(final)
+    again = racer.prepare(request, lambda fraction, message: messages.append(message))
+    assert again.compiled is prepared.compiled  # once per pair, mode and length
+    assert sum(message.startswith("Compiling") for message in messages) == 1
+
+
+def test_on_zero_gpu_a_race_stays_eager_and_says_so():
+    from specdemo.session.racer import Racer
+    from specdemo.session.request import RaceRequest
+
+    racer = Racer(tiny_app.config(compile="on", zero_gpu=True))
+    prepared = racer.prepare(RaceRequest("hello world", "tiny", mode="ngram", max_new_tokens=4, dtype="float32"))
+    assert prepared.passes == EAGER
+    assert prepared.warnings[-1] == "eager passes (--compile on): ZeroGPU cannot compile at run time"

@@ -80,6 +80,15 @@ RUN_ALIASES = {"num_draft_tokens_schedule": "draft_tokens", "num_draft_tokens": 
 RACING_TEXT = "Racing… each side is timed only on its own work."
 
 
+def compile_note(record: dict | None) -> str:
+    """How both sides' target passes ran, when compiled (see ``--compile``): a sentence for the status line."""
+    if not record or not record.get("compile_mode"):
+        return ""
+    seconds = record.get("compile_seconds") or 0.0
+    took = f", compiled in {seconds:.1f} s before this pair and mode's first race" if seconds >= 0.1 else ""
+    return f" Both sides ran compiled passes ({record.get('reason', '')}{took})."
+
+
 def status_text(state: RaceState | None, load_seconds: float = 0.0) -> str:
     """The status line under the figures: racing, done with the speedup, or stopped and why."""
     if state is None:
@@ -89,6 +98,7 @@ def status_text(state: RaceState | None, load_seconds: float = 0.0) -> str:
     comparison = state.comparison
     speed = f"{comparison.speedup:.2f}×" if comparison and comparison.speedup else "–"
     load = f" Models ready in {load_seconds:.1f} s." if load_seconds > 1 else ""
+    load += compile_note(state.settings.compile if state.settings is not None else None)
     if state.stop_reason is not None:
         return (
             f"Stopped ({state.stop_reason}): so far speculative decoding ran {speed} as fast as plain decoding "

@@ -142,19 +142,19 @@ class _Buffers:
         self.cache = StaticCache(config=model.config, max_cache_len=capacity)
 
 
-#: each model's buffers, keyed weakly by the model (freed with it): {(role, capacity): buffers}
-_BUFFERS: "weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[str, int], _Buffers]]" = weakref.WeakKeyDictionary()
+#: each model's buffers, keyed weakly by the model (freed with it): {role: buffers}
+_BUFFERS: "weakref.WeakKeyDictionary[PreTrainedModel, dict[str, _Buffers]]" = weakref.WeakKeyDictionary()
 
 
-def _buffers_for(model: PreTrainedModel, role: str, capacity: int) -> _Buffers:
-    """The buffers of ``model`` for ``role`` (two sequences of one model raced side by side need two) at
-    ``capacity``; a larger capacity replaces a smaller one of the same role."""
+def _buffers_for(model: PreTrainedModel, role: str, max_tokens: int) -> _Buffers:
+    """The buffers of ``model`` for ``role`` (two sequences of one model raced side by side need two) that hold
+    ``max_tokens`` and the largest padded pass: the role's buffers when they do (so their graphs serve again), else
+    larger ones in their place (:func:`capacity_for`)."""
     per_model = _BUFFERS.setdefault(model, {})
-    if (role, capacity) not in per_model:
-        for key in [key for key in per_model if key[0] == role and key[1] < capacity]:
-            del per_model[key]
-        per_model[(role, capacity)] = _Buffers(model, capacity)
-    return per_model[(role, capacity)]
+    current = per_model.get(role)
+    if current is None or current.capacity < max_tokens + PASS_SIZES[-1]:
+        per_model[role] = _Buffers(model, capacity_for(max_tokens))
+    return per_model[role]
 
 
 class StaticLM:
@@ -172,10 +172,10 @@ class StaticLM:
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        self.capacity = capacity_for(max_tokens)
         self.compile_mode = compile_mode
         self.length = 0
-        self._buffers = _buffers_for(model, role, self.capacity)
+        self._buffers = _buffers_for(model, role, max_tokens)
+        self.capacity = self._buffers.capacity
         self._keyword = cache_keyword(model)
         self._base_keyword = cache_keyword(model.base_model)
         self._slots = torch.arange(self.capacity, device=self.device)

@@ -134,12 +134,13 @@ def sizes_up_to(max_rows: int) -> list[int]:
 
 
 def compile_graphs(
-    outcome: CompileOutcome, target: LoadedModel, spec_hidden: Collection[bool], max_rows: int
+    outcome: CompileOutcome, target: LoadedModel, spec_hidden: Collection[bool], max_rows: int, max_tokens: int
 ) -> CompileOutcome:
     """Make every graph a run may use, before anything is timed: the plain side's one-token step and, for each
     value in ``spec_hidden`` (the speculative modes to run ask for the target's hidden states or not), every pass
-    size up to ``max_rows`` rows. A compilation that fails gives eager passes and the reason; the outcome records
-    the seconds it took and the sizes compiled."""
+    size up to ``max_rows`` rows, on buffers that hold ``max_tokens`` (the longest prompt and answer to come). A
+    compilation that fails gives eager passes and the reason; the outcome records the seconds it took and the sizes
+    compiled."""
     if not outcome.compiled_passes:
         return outcome
     started = time.perf_counter()
@@ -148,7 +149,7 @@ def compile_graphs(
     compiled: dict[str, list[int]] = {}
     try:
         for role, sizes, hidden in plan:
-            _run_every_size(target, outcome.passes, role, sizes, hidden)
+            _run_every_size(target, outcome.passes, role, sizes, hidden, max_tokens)
             compiled[role + (" with hidden states" if hidden else "")] = sizes
     except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager, before the race
         logger.warning("compiling the target's passes failed, eager passes instead: %s", first_line(error))
@@ -159,10 +160,13 @@ def compile_graphs(
     return replace(outcome, seconds=seconds, compiled=compiled)
 
 
-def _run_every_size(target: LoadedModel, passes: Passes, role: str, sizes: Sequence[int], with_hidden: bool) -> None:
-    """One pass of every size in ``sizes`` after a one-token prompt, on ``role``'s buffers (then forgotten)."""
-    settings = GenerationSettings(max_new_tokens=max(sizes) + 1)
-    lm = passes.language_model(target, [0], settings, role)
+def _run_every_size(
+    target: LoadedModel, passes: Passes, role: str, sizes: Sequence[int], with_hidden: bool, max_tokens: int
+) -> None:
+    """One pass of every size in ``sizes`` after a one-token prompt, on ``role``'s buffers for ``max_tokens``
+    (then forgotten)."""
+    settings = GenerationSettings(max_new_tokens=max(max_tokens, max(sizes) + 1))
+    lm = passes.language_model(target, [], settings, role)
     with torch.inference_mode():
         for size in sizes:
             lm.reset()

@@ -76,6 +76,10 @@ class SessionConfig:
     eagle_head: str | None = None
     calibrate: bool = True  # measure (once per machine, model and format) what a pass costs here
     warmup_tokens: int = WARMUP_TOKENS  # the untimed warm-up run the first time a pair and mode race (0: none)
+    #: how the target's passes run (``--compile``): auto (compiled on a GPU, eager on a CPU), on or off; compiling
+    #: happens while a pair and mode are prepared, before the race
+    compile: str = "auto"
+    zero_gpu: bool = False  # a ZeroGPU Space: the GPU comes and goes, nothing is compiled at run time
     quantization_reason: str | None = "auto"  # "auto": detect; None: available; text: why it is unavailable
 
     def default_pair(self) -> str:

@@ -155,6 +155,9 @@ class RaceSettings:
     #: what the mode records about its own parts, by mode, as the bench's ``methods`` (for example the EAGLE
     #: head's format); None: the mode records nothing, or the log predates the field
     methods: dict[str, dict[str, Any]] | None = None
+    #: how the target's passes ran (``--compile``: the choice, the mode, why, the seconds compiling took); None:
+    #: eager, or the log predates the field
+    compile: dict[str, Any] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -271,6 +274,14 @@ def _methods(value: Any, name: str) -> dict[str, dict[str, Any]]:
     return {mode: dict(facts) for mode, facts in methods.items()}
 
 
+def _compile_record(value: Any, name: str) -> dict[str, Any]:
+    """How the target's passes ran: an object, at most :data:`MAX_METHODS_CHARS` as JSON."""
+    record = _object(value, name)
+    if len(json.dumps(record)) > MAX_METHODS_CHARS:
+        raise ValueError(f"{name} is over {MAX_METHODS_CHARS} characters as JSON")
+    return dict(record)
+
+
 def _draft_length(raw: dict[str, Any]) -> dict[str, Any]:
     """Settings written before the draft length's schedule had its own field, in today's: their
     ``num_draft_tokens`` (once ``draft_tokens``) was "adaptive" or "heuristic" (that schedule from its own start) or
@@ -309,6 +320,7 @@ def _settings(raw: Any) -> RaceSettings:
         "seed": lambda v, n: _maybe(v, _whole, n, -(2**63), 2**64 - 1),
         "chat": flag,
         "methods": lambda v, n: _maybe(v, _methods, n),
+        "compile": lambda v, n: _maybe(v, _compile_record, n),
     }
     values = {f.name: checks[f.name](raw[f.name], f"settings.{f.name}") for f in fields(RaceSettings) if f.name in raw}
     if values.get("num_draft_tokens_schedule") == "fixed" and values.get("num_draft_tokens") is None:

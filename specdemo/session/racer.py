@@ -42,7 +42,8 @@ from ..core.settings import GenerationSettings, SamplingSettings
 from ..methods import SpecSettings, check_pair, describe_methods
 from .calibration import AUTO_FORMATS, FormatChoice, calibrate, choose_format, measures_formats, refresh_if_stale
 from .config import WARMUP_TOKENS, SessionConfig
-from .compiling import EAGER, Passes
+from ..backends.static_lm import capacity_for
+from .compiling import EAGER, CompileOutcome, Passes, choose_passes, compile_graphs, longest_draft_of
 from .pipeline import encode_prompt, plain_events, spec_events
 from .race import race
 from .racelog import RaceSettings
@@ -91,6 +92,11 @@ class Prepared:
     format_reason: str | None = None  # why the target runs in its format, when --dtype auto chose it
     format_choice: FormatChoice | None = None  # the choice itself (its measured candidates), when auto chose
     memory: SuffixMemory | None = None  # the answers of earlier races the suffix mode drafts from (None: none)
+    compiled: CompileOutcome | None = None  # how the target's passes run (None: eager, nothing asked)
+
+    @property
+    def passes(self) -> Passes:
+        return self.compiled.passes if self.compiled is not None else EAGER
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -196,6 +202,7 @@ def race_settings(prepared: Prepared) -> RaceSettings:
         chat=bool(prepared.request.chat),
         pair=prepared.pair,
         methods=_methods(prepared),
+        compile=prepared.compiled.as_record() if prepared.compiled is not None else None,
     )
 
 
@@ -220,6 +227,8 @@ class Racer:
     def __init__(self, config: SessionConfig) -> None:
         self.config = config
         self._warm: set[tuple[int, int | None, str]] = set()  # (target model, draft model, mode) warmed up
+        #: how each target's passes were compiled, by (target model, hidden states asked, longest draft, buffer)
+        self._compiled: dict[tuple[int, bool, int, int], CompileOutcome] = {}
         self._pair: frozenset[CacheKey] | None = None  # cache keys of the pair that ran last
 
     # -- checking and preparing --------------------------------------------------------------------------------
@@ -294,6 +303,7 @@ class Racer:
             format_reason=format_reason,
             format_choice=choice,
         )
+        prepared.compiled = self._compile(prepared, report)
         try:
             prepared.warmup_seconds = self._warm_up(prepared, report)
         except (RuntimeError, ValueError) as error:
@@ -351,6 +361,7 @@ class Racer:
         logger.info("Freeing %s before the target's formats are measured",
                     " + ".join(sorted(key[0] for key in self._pair - keep)) or "nothing")
         self._warm.clear()
+        self._compiled.clear()
         self.config.forget_models(keep)
         self._pair = keep or None
 
@@ -368,6 +379,7 @@ class Racer:
         if self._pair is not None and pair != self._pair and self.config.forget_models is not None:
             logger.info("Switching pair to %s: freeing the models it does not use", " + ".join(sorted(k[0] for k in pair)))
             self._warm.clear()
+            self._compiled.clear()
             self.config.forget_models(pair)
         self._pair = pair
 
@@ -381,6 +393,27 @@ class Racer:
             logger.exception("Loading %s failed", source)
             raise InputError(f"cannot load {source!r}: {first_line(error)}") from None
 
+    def _compile(self, prepared: Prepared, report: Progress) -> CompileOutcome:
+        """How the target's passes run (``config.compile``), their graphs made the first time a target, mode and
+        longest draft race; the page says what is compiling, and a failure gives eager passes before the race."""
+        outcome = choose_passes(self.config.compile, prepared.target, zero_gpu=self.config.zero_gpu)
+        if not outcome.compiled_passes:
+            if outcome.choice == "on":  # asked for and not given: the page says why
+                prepared.warnings.append(outcome.describe())
+            return outcome
+        hidden = prepared.spec.method.needs_hidden_states
+        max_tokens = len(prepared.prompt_ids) + prepared.settings.max_new_tokens
+        key = (id(prepared.target.model), hidden, longest_draft_of(prepared.spec), capacity_for(max_tokens))
+        if key not in self._compiled:
+            report(1.0, f"Compiling the target's passes ({outcome.reason}; once per pair, mode and length, before "
+                   "the race)")
+            self._compiled[key] = compile_graphs(outcome, prepared.target, {hidden}, key[2] + 1, max_tokens)
+            logger.info("%s", self._compiled[key].describe())
+        compiled = self._compiled[key]
+        if not compiled.compiled_passes:
+            prepared.warnings.append(compiled.describe())
+        return compiled
+
     def _warm_up(self, prepared: Prepared, report: Progress) -> float:
         """The warm-up run (:func:`warm_up`) the first time a pair and mode race; seconds it took (0: none)."""
         tokens = min(self.config.warmup_tokens, prepared.settings.max_new_tokens)
@@ -389,7 +422,8 @@ class Racer:
             return 0.0
         report(1.0, "Warming up (untimed)")
         seconds = warm_up(
-            prepared.target, prepared.draft, prepared.prompt_ids, prepared.settings.sampling, prepared.spec, tokens
+            prepared.target, prepared.draft, prepared.prompt_ids, prepared.settings.sampling, prepared.spec, tokens,
+            passes=prepared.passes,
         )
         self._warm.add(key)
         return seconds
@@ -404,10 +438,10 @@ class Racer:
         of what both sides wrote so far. Every race ends with one line in the server log (:func:`log_race`).
         """
         state = RaceState(race_settings(prepared))
-        plain = plain_events(prepared.target, prepared.prompt_ids, prepared.settings)
+        plain = plain_events(prepared.target, prepared.prompt_ids, prepared.settings, prepared.passes)
         spec = spec_events(
             prepared.target, prepared.draft, prepared.prompt_ids, prepared.settings, prepared.spec, prepared.calibration,
-            prepared.memory,
+            prepared.memory, prepared.passes,
         )
         events = race(plain, spec)
         budget = self.config.race_time_budget

@@ -187,6 +187,7 @@ def result_dict(
                 "device": settings.device,
                 "prompt_tokens": settings.prompt_tokens,
                 "methods": settings.methods,
+                "compile": settings.compile,
                 "calibration": calibration.as_dict() if calibration is not None else None,
                 "log": state.log().to_json(),
             }
