@@ -9,10 +9,16 @@
    300-token prompt, a pass over k tokens against a one-token pass, medians of CUDA-event timings.
 3. The baseline's speed on the GPU: the same model, 128 new tokens after the 300-token prompt, this project's plain
    decoding against transformers' ``generate`` (greedy, no EOS), medians of repeats, both outputs compared.
+4. Compiled passes (``--compile on``: a static cache and ``torch.compile``, CUDA graphs on a GPU): part 1's runs
+   again with the target compiled, against eager plain decoding; then on the 1.5B shape the seconds compiling took,
+   the cost curve of compiled passes beside eager ones, plain decoding compiled against eager, ``generate`` and
+   ``generate`` on a static cache compiled by itself (the bench's ``hf-static``), and a Qwen2.5-0.5B-shaped draft's
+   one-token pass eager and compiled (what a draft step could cost).
 
-    python tests/gpu_check.py [--device cuda] [--json FILE] [--quick]
+    python tests/gpu_check.py [--device cuda] [--json FILE] [--quick] [--skip-exactness] [--skip-compiled]
 
-``--device cpu`` runs part 1 on the CPU (to check the script itself); part 2 needs CUDA.
+``--device cpu`` runs parts 1 and 4's exactness on the CPU (inductor; to check the script itself); the timings need
+CUDA.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from test_medusa import random_heads  # noqa: E402
 from tiny import VOCAB, llama, qwen2, reference_greedy  # noqa: E402
 
 from specdemo.backends.loading import LoadedModel, LoadSettings  # noqa: E402
+from specdemo.backends.static_lm import PASS_SIZES, StaticLM  # noqa: E402
 from specdemo.backends.transformers_lm import CachedLM  # noqa: E402
 from specdemo.core.loop import collect, plain_decode, speculative_decode  # noqa: E402
 from specdemo.core.settings import GenerationSettings, SamplingSettings  # noqa: E402
@@ -43,6 +50,7 @@ from specdemo.methods.eagle import EagleDrafter  # noqa: E402
 from specdemo.methods.medusa import MedusaDrafter  # noqa: E402
 from specdemo.methods.ngram import LookupBranch, NgramDrafter  # noqa: E402
 from specdemo.session.racer import compare_outputs  # noqa: E402
+from specdemo.session.stock import static_generation  # noqa: E402
 
 GREEDY = SamplingSettings()
 PROMPTS = [[5, 7, 9, 11, 5, 7, 9, 3, 2, 1], [1], [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]]
@@ -69,8 +77,15 @@ def _divergence(model, prompt: list[int], reference: list[int], other: list[int]
     return None if position is None else {"position": position, "logit_margin": margin}
 
 
-def exactness(device: torch.device, quick: bool) -> list[dict]:
+def _compile_mode(device: torch.device) -> str:
+    return "reduce-overhead" if device.type == "cuda" else "default"
+
+
+def exactness(device: torch.device, quick: bool, compiled: bool = False) -> list[dict]:
+    """Part 1 (``compiled``: part 4's first half, every speculative run on compiled passes and plain decoding
+    compiled too, each against eager plain decoding)."""
     rows = []
+    mode_of = _compile_mode(device) if compiled else None
     lengths = (1, 4) if quick else (1, 3, 6)
     for dtype in (torch.float32, torch.bfloat16):
         for name, factory, small_factory in (("llama", lambda: llama(1), lambda: llama(2, layers=1)),
@@ -84,9 +99,19 @@ def exactness(device: torch.device, quick: bool) -> list[dict]:
                 expected = collect(plain_decode(CachedLM(target), prompt, settings)).new_token_ids
                 generated = reference_greedy(target.cpu().float(), prompt, 24) if dtype == torch.float32 else None
                 target.to(device, dtype)
+
+                def target_lm(role: str):
+                    return StaticLM(target, len(prompt) + 24, mode_of, role) if compiled else CachedLM(target)
+
+                if compiled:
+                    ids = collect(plain_decode(target_lm("plain"), prompt, settings)).new_token_ids
+                    rows.append({"dtype": str(dtype).removeprefix("torch."), "target": name, "prompt": len(prompt),
+                                 "mode": "plain", "k": 0, "identical": ids == expected, "accepted": 0, "drafted": 0,
+                                 **({"divergence": _divergence(target, prompt, expected, ids)}
+                                    if ids != expected else {})})
                 for mode, make in _drafters(target, small, head, heads).items():
                     for k in lengths:
-                        final = collect(speculative_decode(CachedLM(target), make(), FixedDraftLength(k), prompt,
+                        final = collect(speculative_decode(target_lm("spec"), make(), FixedDraftLength(k), prompt,
                                                            settings))
                         ids = final.new_token_ids
                         parted = _divergence(target, prompt, expected, ids)
@@ -101,15 +126,127 @@ def exactness(device: torch.device, quick: bool) -> list[dict]:
     return rows
 
 
-def cost_curve(device: torch.device, quick: bool) -> dict:
+def _qwen_shape(device: torch.device, draft: bool = False):
+    """A Qwen2.5-1.5B-shaped model (``draft``: 0.5B-shaped), random weights, bfloat16."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
-                         max_position_embeddings=4096)
+    if draft:
+        config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                             max_position_embeddings=4096)
+    else:
+        config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                             num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                             max_position_embeddings=4096)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+        return Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def _pass_seconds(make_lm, prompt: torch.Tensor, k: int, repeats: int, device: torch.device) -> float:
+    """The median seconds of a pass over ``k`` tokens after ``prompt`` (CUDA events), after 3 untimed ones."""
+    times = []
+    with torch.inference_mode():
+        lm = make_lm()
+        for repeat in range(repeats + 3):
+            lm.reset()
+            lm.run(prompt, all_logits=False, with_hidden=False)
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            lm.run(prompt[:k], with_hidden=False)
+            end.record()
+            torch.cuda.synchronize(device)
+            if repeat >= 3:
+                times.append(start.elapsed_time(end) / 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def compiled_speed(device: torch.device, quick: bool) -> dict:
+    """Part 4's timings: compiling, compiled passes beside eager ones, plain decoding and stock ``generate`` both
+    ways, a draft-shaped model's step."""
+    model = _qwen_shape(device)
+    prompt = torch.randint(0, 151936, (300,), device=device)
+    mode = _compile_mode(device)
+    sizes = [1, 2, 5, 9, 17] if quick else list(PASS_SIZES)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        lm = StaticLM(model, 300 + 128, mode, "spec")
+        for size in sizes:  # what the warm-up does (session.compiling.compile_graphs)
+            lm.reset()
+            lm.run(prompt[:1], all_logits=False, with_hidden=False)
+            lm.run(prompt[:size], with_hidden=False)
+    torch.cuda.synchronize(device)
+    compile_seconds = time.perf_counter() - started
+    repeats = 10 if quick else 30
+    eager = {k: _pass_seconds(lambda: CachedLM(model), prompt, k, repeats, device) for k in sizes}
+    compiled = {k: _pass_seconds(lambda: StaticLM(model, 300 + 128, mode, "spec"), prompt, k, repeats, device)
+                for k in sizes}
+    result = {
+        "model": "Qwen2.5-1.5B shape, random weights, bfloat16, after 300 cached tokens",
+        "compile_mode": mode, "compile_seconds": compile_seconds, "pass_sizes": sizes,
+        "eager_ms": {str(k): v * 1000 for k, v in eager.items()},
+        "compiled_ms": {str(k): v * 1000 for k, v in compiled.items()},
+        "compiled_relative": {str(k): v / compiled[1] for k, v in compiled.items()},
+    }
+    result["decoding"] = _decoding_both_ways(model, prompt, mode, 3 if quick else 5)
+    del model, lm
+    torch.cuda.empty_cache()
+    draft = _qwen_shape(device, draft=True)
+    result["draft_0.5b_one_token_ms"] = {
+        "eager": _pass_seconds(lambda: CachedLM(draft), prompt, 1, repeats, device) * 1000,
+        "compiled": _pass_seconds(lambda: StaticLM(draft, 300 + 128, mode, "draft"), prompt, 1, repeats, device)
+        * 1000,
+    }
+    return result
+
+
+def _decoding_both_ways(model, prompt: torch.Tensor, mode: str, repeats: int) -> dict:
+    """128 new tokens four ways: plain decoding eager and compiled, ``generate`` eager and on a static cache it
+    compiles itself (the bench's hf-static); tokens/s medians and whether each wrote eager plain decoding's tokens."""
+    from transformers import GenerationConfig
+
+    settings = GenerationSettings(max_new_tokens=128, stop_on_eos=False)
+    ids = prompt.tolist()
+
+    def generate(static: bool) -> list[int]:
+        config = GenerationConfig(do_sample=False, max_new_tokens=128, min_new_tokens=128, eos_token_id=None,
+                                  pad_token_id=0)
+        if static:
+            static_generation(config, prompt.device, len(ids) + 128)
+        with torch.inference_mode():
+            out = model.generate(prompt.view(1, -1), attention_mask=torch.ones_like(prompt.view(1, -1)),
+                                 generation_config=config)
+        return out[0, len(ids):].tolist()
+
+    ways = {
+        "plain_eager": lambda: collect(plain_decode(CachedLM(model), ids, settings)).new_token_ids,
+        "plain_compiled": lambda: collect(plain_decode(StaticLM(model, len(ids) + 128, mode, "plain"), ids,
+                                                       settings)).new_token_ids,
+        "generate": lambda: generate(False),
+        "generate_static_compiled": lambda: generate(True),
+    }
+    timings: dict[str, list[float]] = {name: [] for name in ways}
+    outputs: dict[str, list[int]] = {}
+    for repeat in range(repeats + 2):  # the first two warm up (and compile)
+        for name, run in ways.items():
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            outputs[name] = run()
+            torch.cuda.synchronize()
+            if repeat >= 2:
+                timings[name].append(time.perf_counter() - started)
+    result: dict = {}
+    for name, values in timings.items():
+        result[name] = {"tokens_per_s": 128 / sorted(values)[len(values) // 2],
+                        "identical_to_plain_eager": outputs[name] == outputs["plain_eager"]}
+        if outputs[name] != outputs["plain_eager"]:
+            result[name]["divergence"] = _divergence(model, ids, outputs["plain_eager"], outputs[name])
+    return result
+
+
+def cost_curve(device: torch.device, quick: bool) -> dict:
+    model = _qwen_shape(device)
     lm = CachedLM(model)
     prompt = torch.randint(0, 151936, (300,), device=device)
     repeats = 10 if quick else 30
@@ -183,7 +320,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--skip-exactness", action="store_true", help="parts 2 and 3 only")
+    parser.add_argument("--skip-exactness", action="store_true", help="no part 1 (nor part 4's exactness)")
+    parser.add_argument("--skip-compiled", action="store_true", help="no part 4")
     args = parser.parse_args()
     device = torch.device(args.device)
     report: dict = {"torch": torch.__version__, "python": platform.python_version()}
@@ -219,9 +357,40 @@ def main() -> int:
         print(f"128 tokens: plain decoding {base['plain_tokens_per_s']:.1f} tok/s, generate "
               f"{base['generate_tokens_per_s']:.1f} tok/s ({base['plain_over_generate']:.2f}x), identical "
               f"{base['identical']} (parted: {base.get('divergence')}), float32 identical {base['float32_identical']}")
+    if not args.skip_compiled:
+        _compiled_part(report, device, args.quick, args.skip_exactness)
+        float32 += [r for r in report.get("compiled_exactness", []) if r["dtype"] == "float32"]
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0 if all(r["identical"] for r in float32) else 1
+
+
+def _compiled_part(report: dict, device: torch.device, quick: bool, skip_exactness: bool) -> None:
+    """Part 4, into ``report`` and printed."""
+    if not skip_exactness:
+        started = time.perf_counter()
+        rows = exactness(device, quick, compiled=True)
+        report["compiled_exactness_seconds"] = time.perf_counter() - started
+        report["compiled_exactness"] = rows
+        for dtype in ("float32", "bfloat16"):
+            chosen = [r for r in rows if r["dtype"] == dtype]
+            print(f"compiled, {dtype}: {sum(r['identical'] for r in chosen)}/{len(chosen)} runs identical to eager "
+                  f"plain decoding ({report['compiled_exactness_seconds']:.0f} s with compiling)")
+        for row in rows:
+            if not row["identical"]:
+                print("  parted:", json.dumps(row))
+    if device.type != "cuda":
+        return
+    speed = report["compiled_speed"] = compiled_speed(device, quick)
+    print(f"compiled ({speed['compile_mode']}): {len(speed['pass_sizes'])} pass sizes in "
+          f"{speed['compile_seconds']:.1f} s; one token eager {speed['eager_ms']['1']:.2f} ms, compiled "
+          f"{speed['compiled_ms']['1']:.2f} ms; compiled k-token pass / one-token: " + ", ".join(
+              f"{k}: {value:.2f}" for k, value in speed["compiled_relative"].items()))
+    print("128 tokens: " + ", ".join(f"{name} {row['tokens_per_s']:.1f} tok/s"
+                                      + ("" if row["identical_to_plain_eager"] else " (parted)")
+                                      for name, row in speed["decoding"].items()))
+    draft = speed["draft_0.5b_one_token_ms"]
+    print(f"0.5B-shaped draft, one token: eager {draft['eager']:.2f} ms, compiled {draft['compiled']:.2f} ms")
 
 
 if __name__ == "__main__":
