@@ -416,7 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         models = _load_models(args, request)
         config = _bench_config(args, request, models.target)
         curve = _calibrate(args.calibration, request, models)
-        variants = {(choice if len(request.compile) > 1 else ""): choose_passes(choice, models.target)
+        variants = {(choice if len(request.compile) > 1 else ""):
+                    choose_passes(choice, models.target, measure=args.calibration != "off")
                     for choice in request.compile}
         report = run_benchmark(config, models.target, models.draft, request.prompts, request.spec,
                                progress=not args.quiet, uag_draft=models.uag_draft, calibration=curve,

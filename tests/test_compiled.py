@@ -177,23 +177,43 @@ def test_every_mode_compiled_writes_what_eager_plain_writes(mode, heads):
 # the choice, the warm-up, the bound
 
 
-def _loaded(model, device: str = "cpu") -> LoadedModel:
-    return LoadedModel("tiny", model, None, torch.device(device), torch.float32, LoadSettings(dtype="float32"))
+def _loaded(model, source: str = "tiny") -> LoadedModel:
+    return LoadedModel(source, model, None, torch.device("cpu"), torch.float32, LoadSettings(dtype="float32"))
 
 
-def test_the_choice_says_why_in_one_line(monkeypatch):
+def test_the_choice_says_why_in_one_line(monkeypatch, tmp_path):
     target = _loaded(llama(1))
     assert choose_passes("off", target).passes == EAGER
-    auto = choose_passes("auto", target)
-    assert auto.passes == EAGER and "CPU" in auto.reason and "\n" not in auto.describe()
     on = choose_passes("on", target)
-    assert on.passes == COMPILED and "inductor" in on.describe()
+    assert on.passes == COMPILED and "inductor" in on.describe() and "\n" not in on.describe()
     assert "ZeroGPU" in choose_passes("on", target, zero_gpu=True).reason
+    unmeasured = choose_passes("auto", target, measure=False, folder=tmp_path)
+    assert unmeasured.passes == EAGER and "not measured" in unmeasured.reason
     monkeypatch.setattr(compiling.shutil, "which", lambda name: None)
     no_compiler = choose_passes("on", target)
     assert no_compiler.passes == EAGER and "C++ compiler" in no_compiler.reason
     with pytest.raises(Exception, match="--compile must be one of"):
         choose_passes("fast", target)
+
+
+def test_auto_on_a_cpu_compiles_where_a_cached_measurement_found_it_faster(monkeypatch, tmp_path):
+    target = _loaded(llama(1))
+    verdict = compiling.measure_compiled(target)  # a real measurement: both passes timed, compiling too
+    assert verdict.eager_seconds > 0 and verdict.compiled_seconds > 0 and verdict.compile_seconds > 0
+    measured = []
+
+    def measure(loaded):
+        measured.append(loaded.source)
+        return compiling.CompiledVerdict(eager_seconds=0.100, compiled_seconds=0.060, compile_seconds=40.0)
+
+    monkeypatch.setattr(compiling, "measure_compiled", measure)
+    auto = choose_passes("auto", target, folder=tmp_path)
+    assert auto.passes == COMPILED and "60.0 ms against 100.0 ms eager" in auto.reason
+    assert choose_passes("auto", target, folder=tmp_path).passes == COMPILED and measured == ["tiny"]  # cached
+    slower = _loaded(qwen2(3), "tiny-qwen2")
+    monkeypatch.setattr(compiling, "measure_compiled", lambda loaded: compiling.CompiledVerdict(0.100, 0.097, 30.0))
+    stays = choose_passes("auto", slower, folder=tmp_path)
+    assert stays.passes == EAGER and stays.reason.startswith("on this CPU, a compiled one-token pass measured 97.0 ms")
 
 
 def test_a_model_with_sliding_window_layers_stays_eager():

@@ -118,11 +118,16 @@ _COMPILED: dict[str, Callable] = {}
 
 
 def compiled_pass(mode: str) -> Callable:
-    """``_model_pass`` compiled with ``mode`` (``"reduce-overhead"``: CUDA graphs; ``"default"``: inductor), one per
-    mode and process; the graphs themselves are made on first use of each shape."""
+    """``_model_pass`` compiled with ``mode``, one per mode and process; the graphs themselves are made on first use
+    of each shape. ``"reduce-overhead"``: CUDA graphs; ``"default"``: inductor with the weights frozen into the graph
+    (on a CPU its linear layers then run on weights prepacked for oneDNN: a Qwen2.5-1.5B bfloat16 one-token pass
+    took 150 ms instead of 189 ms eager on an AMD EPYC; without freezing, no faster than eager)."""
     if mode not in _COMPILED:
         _raise_dynamo_limits()
-        _COMPILED[mode] = torch.compile(_model_pass, mode=None if mode == "default" else mode, dynamic=False)
+        if mode == "default":
+            _COMPILED[mode] = torch.compile(_model_pass, dynamic=False, options={"freezing": True})
+        else:
+            _COMPILED[mode] = torch.compile(_model_pass, mode=mode, dynamic=False)
     return _COMPILED[mode]
 
 

@@ -3,18 +3,22 @@ anything is timed, and the warm-up that makes the graphs.
 
 ``off`` is the eager path every earlier figure was measured on (:class:`~specdemo.backends.transformers_lm.CachedLM`);
 ``on`` runs both sides of a race on :class:`~specdemo.backends.static_lm.StaticLM`, compiled with ``torch.compile``
-(CUDA graphs on a GPU, inductor on a CPU); ``auto`` compiles on a GPU and stays eager on a CPU (compiled passes have
-not been measured faster there). Whatever is chosen, a compilation that cannot happen (no C++ compiler for inductor,
-a model without a static cache, ZeroGPU, an error while compiling) falls back to eager with one line saying why,
-before the race starts.
+(CUDA graphs on a GPU, inductor with frozen weights on a CPU); ``auto`` compiles on a GPU, and on a CPU only where a
+measurement (:func:`measure_compiled`: a one-token pass compiled against an eager one, once per machine, model and
+format, cached beside the cost curves) found compiled passes faster. Whatever is chosen, a compilation that cannot
+happen (no C++ compiler for inductor, a model without a static cache, ZeroGPU, an error while compiling) falls back
+to eager with one line saying why, before the race starts.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Collection, Sequence
 
 import torch
@@ -22,10 +26,13 @@ import torch
 from ..backends.loading import LoadedModel
 from ..backends.static_lm import PASS_SIZES, StaticLM, pass_size, supports_static_cache
 from ..backends.transformers_lm import CachedLM
+from ..core.clock import now
 from ..core.errors import InputError, first_line
+from ..core.files import write_json_atomic
 from ..core.protocol import LanguageModel
 from ..core.settings import COMPILE_CHOICES, GenerationSettings
 from ..methods import SpecSettings
+from .calibration import cache_path
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +108,12 @@ def _why_not(target: LoadedModel, zero_gpu: bool) -> str | None:
     return None
 
 
-def choose_passes(choice: str, target: LoadedModel, zero_gpu: bool = False) -> CompileOutcome:
-    """The passes ``--compile choice`` gives for ``target`` on this machine (nothing is compiled yet)."""
+def choose_passes(
+    choice: str, target: LoadedModel, zero_gpu: bool = False, measure: bool = True, folder: Path | None = None
+) -> CompileOutcome:
+    """The passes ``--compile choice`` gives for ``target`` on this machine (nothing is compiled for the run yet).
+    ``auto`` on a CPU reads the cached verdict of :func:`measure_compiled` for this machine, model and format, and
+    measures it when there is none and ``measure`` allows (the bench and the app do when they calibrate)."""
     check_compile_choice(choice)
     if choice == "off":
         return CompileOutcome(choice, EAGER, "as asked")
@@ -112,11 +123,103 @@ def choose_passes(choice: str, target: LoadedModel, zero_gpu: bool = False) -> C
             logger.warning("--compile on: eager passes instead: %s", why_not)
         return CompileOutcome(choice, EAGER, why_not)
     on_gpu = target.device.type == "cuda"
-    if choice == "auto" and not on_gpu:
-        return CompileOutcome(choice, EAGER, "on a CPU, compiled passes have not been measured faster than eager")
     mode = "reduce-overhead" if on_gpu else "default"
     reason = "CUDA graphs on the GPU" if on_gpu else "inductor on the CPU"
+    if choice == "auto" and not on_gpu:
+        verdict = compiled_verdict(target, measure, folder)
+        if verdict is None:
+            return CompileOutcome(choice, EAGER, "on a CPU, compiled passes are used where measured faster; not "
+                                  "measured here (no calibration)")
+        if not verdict.pays:
+            return CompileOutcome(choice, EAGER, f"on this CPU, {verdict.describe()}")
+        reason = f"inductor on the CPU, {verdict.describe()}"
     return CompileOutcome(choice, Passes(mode), reason)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# auto on a CPU: measured
+
+#: compiled passes pay on a CPU when a compiled one-token pass costs at most this share of an eager one (passes move
+#: by several per cent from minute to minute on a shared machine: anything closer stays eager)
+PAYS_BELOW = 0.95
+#: tokens cached before the timed passes, and timed passes of each kind
+MEASURE_PREFIX, MEASURE_REPEATS = 64, 7
+
+
+@dataclass
+class CompiledVerdict:
+    """A one-token pass of one model and format on one machine, eager and compiled: whether compiling pays."""
+
+    eager_seconds: float
+    compiled_seconds: float
+    compile_seconds: float
+
+    @property
+    def pays(self) -> bool:
+        return self.compiled_seconds <= PAYS_BELOW * self.eager_seconds
+
+    def describe(self) -> str:
+        return (f"a compiled one-token pass measured {self.compiled_seconds * 1000:.1f} ms against "
+                f"{self.eager_seconds * 1000:.1f} ms eager (compiling it took {self.compile_seconds:.0f} s)")
+
+
+def _verdict_path(target: LoadedModel, folder: Path | None) -> Path:
+    path = cache_path(target, None, folder)
+    return path.with_name(f"compile-{path.name}")
+
+
+def compiled_verdict(target: LoadedModel, measure: bool = True, folder: Path | None = None) -> CompiledVerdict | None:
+    """The cached verdict for this machine, model and format; measured and cached when there is none and
+    ``measure`` (None: none and not measured)."""
+    path = _verdict_path(target, folder)
+    try:
+        return CompiledVerdict(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, TypeError) as error:
+        logger.warning("Measuring compiled passes again: the cached verdict %s is unreadable: %s", path, error)
+    if not measure:
+        return None
+    verdict = measure_compiled(target)
+    try:
+        write_json_atomic(path, asdict(verdict), indent=1)
+    except OSError as error:
+        logger.warning("Could not cache %s: %s", path, error)
+    return verdict
+
+
+def measure_compiled(target: LoadedModel) -> CompiledVerdict:
+    """A one-token pass after :data:`MEASURE_PREFIX` cached tokens, eager and compiled (inductor), medians of
+    :data:`MEASURE_REPEATS` each; a compilation that fails measures as never paying."""
+    logger.info("Measuring compiled passes of %s (%s) on this machine (once)", target.source, target.format)
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, int(target.model.config.vocab_size), (MEASURE_PREFIX + 1,), generator=generator)
+    eager = _one_token_seconds(CachedLM(target.model), prefix, target.device)
+    started = time.perf_counter()
+    try:
+        compiled_lm = StaticLM(target.model, MEASURE_PREFIX + 1, "default", "measure")
+        compiled_lm.reset()
+        compiled_lm.run(prefix[:1], all_logits=False, with_hidden=False)
+        compiled_lm.run(prefix[1:2], all_logits=False, with_hidden=False)  # compiles the one-token graph
+        compile_seconds = time.perf_counter() - started
+        compiled = _one_token_seconds(compiled_lm, prefix, target.device)
+    except Exception as error:  # noqa: BLE001 - a compiler that fails here never pays
+        logger.warning("Compiling a pass failed while measuring: %s", first_line(error))
+        return CompiledVerdict(eager, float("inf"), time.perf_counter() - started)
+    return CompiledVerdict(eager, compiled, compile_seconds)
+
+
+def _one_token_seconds(lm: LanguageModel, prefix: torch.Tensor, device: torch.device) -> float:
+    """The median seconds of a one-token pass after ``prefix[:-1]``, eager or compiled alike."""
+    times = []
+    with torch.inference_mode():
+        for _ in range(MEASURE_REPEATS + 1):
+            lm.reset()
+            lm.run(prefix[:-1], all_logits=False, with_hidden=False)
+            started = now(device)
+            lm.run(prefix[-1:], all_logits=False, with_hidden=False)
+            times.append(now(device) - started)
+    return statistics.median(times[1:])
 
 
 def longest_draft_of(spec: SpecSettings) -> int:

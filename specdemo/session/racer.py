@@ -396,7 +396,8 @@ class Racer:
     def _compile(self, prepared: Prepared, report: Progress) -> CompileOutcome:
         """How the target's passes run (``config.compile``), their graphs made the first time a target, mode and
         longest draft race; the page says what is compiling, and a failure gives eager passes before the race."""
-        outcome = choose_passes(self.config.compile, prepared.target, zero_gpu=self.config.zero_gpu)
+        outcome = choose_passes(self.config.compile, prepared.target, zero_gpu=self.config.zero_gpu,
+                                measure=self.config.calibrate)
         if not outcome.compiled_passes:
             if outcome.choice == "on":  # asked for and not given: the page says why
                 prepared.warnings.append(outcome.describe())
