@@ -129,17 +129,29 @@ def test_eos_inside_an_accepted_draft_stops_there_with_compiled_passes():
         assert final.new_token_ids == cut and final.finish_reason == "eos"
 
 
-@pytest.mark.parametrize("fmt", ["int8", "w8a8"])
-def test_the_int8_formats_write_the_same_tokens_compiled(fmt):
+@pytest.mark.parametrize("fmt,passes", [("int8", COMPILED), ("int8", STATIC), ("w8a8", STATIC)],
+                         ids=["int8-compiled", "int8-static", "w8a8-static"])
+def test_the_int8_formats_write_the_same_tokens_on_a_static_cache_and_compiled(fmt, passes):
+    """The row-wise attention of the int8 formats over the static cache's mask; and, compiled, the same tokens
+    (w8a8 compiled, exact too, takes minutes of compiling: its kernels split the graph, which is why no run
+    compiles the int8 formats, see test_the_int8_formats_stay_eager)."""
     target = to_int8_format(qwen2(3), fmt).eval()
     settings = GenerationSettings(max_new_tokens=16)
     for prompt in (PROMPTS[0], PROMPTS[2]):
         expected = collect(plain_decode(CachedLM(target), prompt, settings)).new_token_ids
-        lm = StaticLM(target, len(prompt) + 16, COMPILED.compile_mode, "plain")
+        lm = StaticLM(target, len(prompt) + 16, passes.compile_mode, "plain")
         assert collect(plain_decode(lm, prompt, settings)).new_token_ids == expected
-        lm = StaticLM(target, len(prompt) + 16, COMPILED.compile_mode, "spec")
+        lm = StaticLM(target, len(prompt) + 16, passes.compile_mode, "spec")
         final = collect(speculative_decode(lm, NgramDrafter(1, 3), make_policy("fixed", 2), prompt, settings))
         assert final.new_token_ids == expected
+
+
+def test_the_int8_formats_stay_eager():
+    loaded = LoadedModel("tiny", to_int8_format(llama(1), "w8a8"), None, torch.device("cpu"), torch.float32,
+                         LoadSettings(dtype="w8a8"))
+    for choice in ("on", "auto"):
+        outcome = choose_passes(choice, loaded, measure=False)
+        assert outcome.passes == EAGER and "w8a8 format's kernels cannot be traced" in outcome.reason
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 #: the row counts a pass is padded up to: the last token and a draft of 0, 1, 2, 4, ..., 64 tokens (a pass over more
 #: rows runs unpadded and eagerly)
 PASS_SIZES: tuple[int, ...] = (1, 2, 3, 5, 9, 17, 33, 65)
+#: ``torch.compile`` modes: CUDA graphs (a GPU), inductor (a CPU)
+CUDA_GRAPHS, INDUCTOR = "reduce-overhead", "default"
 #: compiled graphs one process keeps at most (pass sizes x with/without hidden states x models x capacities)
 MAX_GRAPHS = 64
 #: the smallest buffer a model's static cache gets (tokens); larger needs round up to a power of two
@@ -117,15 +119,33 @@ def _model_pass(
 _COMPILED: dict[str, Callable] = {}
 
 
+def _frozen(compiled: Callable) -> Callable:
+    """``compiled`` called with inductor's freezing on (and off again after)."""
+    import torch._inductor.config as inductor_config
+
+    def call(*args: object) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        with inductor_config.patch(freezing=True):
+            return compiled(*args)
+
+    return call
+
+
 def compiled_pass(mode: str) -> Callable:
     """``_model_pass`` compiled with ``mode``, one per mode and process; the graphs themselves are made on first use
-    of each shape. ``"reduce-overhead"``: CUDA graphs; ``"default"``: inductor with the weights frozen into the graph
-    (on a CPU its linear layers then run on weights prepacked for oneDNN: a Qwen2.5-1.5B bfloat16 one-token pass
-    took 150 ms instead of 189 ms eager on an AMD EPYC; without freezing, no faster than eager)."""
+    of each shape.
+
+    ``"reduce-overhead"`` (:data:`CUDA_GRAPHS`): CUDA graphs, one per padded pass size. ``"default"``
+    (:data:`INDUCTOR`, on a CPU): inductor with the weights frozen into the graph, with dynamic shapes (one graph for
+    one row, one for every larger pass). Freezing is what pays on a CPU: the linear layers then run on weights
+    prepacked for oneDNN (a Qwen2.5-1.5B bfloat16 pass after 300 tokens, AMD EPYC, 2 cores: one token 145 ms
+    instead of 235 ms eager, five tokens 129 ms instead of 189 ms; without freezing, no faster than eager). Each
+    frozen graph holds its own packed copy of the weights, hence dynamic shapes: two graphs, two copies, not one per
+    pass size. Freezing is a process-wide setting of inductor's, read while a call traces and compiles: it is on
+    only around these calls (``generate``'s own compilation, the bench's ``hf-static``, stays stock)."""
     if mode not in _COMPILED:
         _raise_dynamo_limits()
-        if mode == "default":
-            _COMPILED[mode] = torch.compile(_model_pass, dynamic=False, options={"freezing": True})
+        if mode == INDUCTOR:
+            _COMPILED[mode] = _frozen(torch.compile(_model_pass, dynamic=True))
         else:
             _COMPILED[mode] = torch.compile(_model_pass, mode=mode, dynamic=False)
     return _COMPILED[mode]
@@ -162,6 +182,17 @@ def _buffers_for(model: PreTrainedModel, role: str, max_tokens: int) -> _Buffers
     return per_model[role]
 
 
+def _unmark_static(cache: StaticCache) -> None:
+    """Let inductor see the cache's tensors as the inputs they are. transformers marks them static for CUDA graphs
+    when it first fills them; inductor's freezing (see :func:`compiled_pass`) would then fold them into the graph
+    as constants, and a compiled pass would write its keys and values, and move the length, in a copy."""
+    for layer in cache.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None),
+                       getattr(layer, "cumulative_length", None)):
+            if tensor is not None and hasattr(tensor, "_dynamo_static_input_type"):
+                del tensor._dynamo_static_input_type
+
+
 class StaticLM:
     """A Hugging Face causal LM on a static KV cache, passes padded to :data:`PASS_SIZES` and, with ``compile_mode``,
     compiled: a :class:`~specdemo.core.protocol.LanguageModel` with the same methods as ``CachedLM``.
@@ -184,6 +215,9 @@ class StaticLM:
         self._keyword = cache_keyword(model)
         self._base_keyword = cache_keyword(model.base_model)
         self._slots = torch.arange(self.capacity, device=self.device)
+        #: passes are padded to :data:`PASS_SIZES` (CUDA graphs replay fixed shapes; eager, the same cache handling);
+        #: inductor on a CPU compiles shapes dynamically, so a pass there holds its own rows only
+        self.pads = compile_mode != INDUCTOR
 
     @property
     def cache(self) -> StaticCache:
@@ -242,7 +276,9 @@ class StaticLM:
             raise ValueError("a pass needs at least one token")
         if parents is not None and len(parents) != count:
             raise ValueError(f"{len(parents)} parents for {count} tokens")
-        size = pass_size(count) if self.length > 0 else None
+        size = None  # the prompt's pass, or one longer than any padded size: unpadded and eager
+        if self.length > 0 and count <= PASS_SIZES[-1]:
+            size = pass_size(count) if self.pads else count
         rows = size or count
         if self.length + rows > self.capacity:
             raise ValueError(f"a pass over {count} tokens after {self.length} does not fit this static cache of "
@@ -250,12 +286,18 @@ class StaticLM:
         padded = torch.zeros(rows, dtype=torch.long, device=self.device)
         padded[:count] = ids.to(self.device)
         positions, mask = self._positions_and_mask(count, rows, parents)
-        step = self._step(module, rows, with_hidden, size is not None)
+        # inductor's graphs on a CPU always return the hidden states (they cost nothing more there): one graph
+        # serves a run that reads them and one that does not, and each frozen graph holds a copy of the weights
+        graph_hidden = with_hidden or (self.compile_mode == INDUCTOR and size is not None and module is self.model)
+        step = self._step(module, rows, graph_hidden, size is not None)
         # the prompt's pass scores its last row only (an LM head over every prompt row costs more than the pass)
         last_only = size is None and not all_rows and module is self.model
         extra = {"logits_to_keep": 1} if last_only else {}
         outputs, states = step(module, padded.view(1, -1), positions.view(1, -1), mask, self.cache, keyword,
-                               with_hidden, extra)
+                               graph_hidden, extra)
+        states = states if with_hidden else None
+        if self.compile_mode == INDUCTOR:
+            _unmark_static(self.cache)
         self._set_length(self.length + count)
         return (outputs[0] if last_only else outputs[0, :count]), states
 
@@ -263,7 +305,10 @@ class StaticLM:
         """The compiled pass for this shape when compiling and the graph budget allows, else the eager one."""
         if self.compile_mode is None or not padded:
             return _model_pass
-        key = (id(module), id(self.cache), rows, with_hidden, self.compile_mode)
+        if self.pads:
+            key: tuple = (id(module), id(self.cache), rows, with_hidden, self.compile_mode)
+        else:  # inductor: one graph for one row and one for more, whichever buffers they run on
+            key = (id(module), min(rows, 2), with_hidden, self.compile_mode)
         if not GRAPHS.admit(key):
             logger.info("compiled graph bound (%d) reached: a %d-row pass runs eagerly", GRAPHS.limit, rows)
             return _model_pass

@@ -23,6 +23,7 @@ from typing import Collection, Sequence
 
 import torch
 
+from ..backends.formats import is_int8_format
 from ..backends.loading import LoadedModel
 from ..backends.static_lm import PASS_SIZES, StaticLM, pass_size, supports_static_cache
 from ..backends.transformers_lm import CachedLM
@@ -103,6 +104,9 @@ def _why_not(target: LoadedModel, zero_gpu: bool) -> str | None:
     unsupported = supports_static_cache(target.model)
     if unsupported:
         return unsupported
+    if is_int8_format(target.model):
+        return (f"the {target.format} format's kernels cannot be traced by the compiler (FBGEMM's packed weights), "
+                "so a compiled pass falls apart into a graph per layer: slower than eager, after minutes of compiling")
     if target.device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
         return "no C++ compiler for torch.compile's CPU code on this machine"
     return None
@@ -142,6 +146,8 @@ def choose_passes(
 #: compiled passes pay on a CPU when a compiled one-token pass costs at most this share of an eager one (passes move
 #: by several per cent from minute to minute on a shared machine: anything closer stays eager)
 PAYS_BELOW = 0.95
+#: the version of the measurement and of what compiling means on a CPU (a cached verdict of another is measured again)
+VERDICT_VERSION = 1
 #: tokens cached before the timed passes, and timed passes of each kind
 MEASURE_PREFIX, MEASURE_REPEATS = 64, 7
 
@@ -153,6 +159,7 @@ class CompiledVerdict:
     eager_seconds: float
     compiled_seconds: float
     compile_seconds: float
+    version: int = VERDICT_VERSION
 
     @property
     def pays(self) -> bool:
@@ -173,7 +180,9 @@ def compiled_verdict(target: LoadedModel, measure: bool = True, folder: Path | N
     ``measure`` (None: none and not measured)."""
     path = _verdict_path(target, folder)
     try:
-        return CompiledVerdict(**json.loads(path.read_text()))
+        verdict = CompiledVerdict(**json.loads(path.read_text()))
+        if verdict.version == VERDICT_VERSION:
+            return verdict
     except FileNotFoundError:
         pass
     except (OSError, ValueError, TypeError) as error:
