@@ -182,12 +182,13 @@ def aggregate(results: list[dict], modes: list[str], counters: dict[tuple[str, s
         plain = plains.get(plain_of(mode, modes), _Plain())
         if plain.rate:
             _add_speedups(entry, mode, rows, rate_after_prefill, rates, plain)
-        if len(plains) > 1:
-            entry["speedup_vs"] = {name: entry["tokens_per_s"] / other.rate for name, other in plains.items()
-                                   if other.rate}
         if mode_counters and not is_plain(mode):
             _add_drafting(entry, mode, Counters.total(mode_counters), plain.counters)
         summary[mode] = entry
+    if len(plains) > 1:  # modes in several variants: each mode's rate over every variant's plain rate
+        for entry in summary.values():
+            entry["speedup_vs"] = {name: entry["tokens_per_s"] / plain.rate for name, plain in plains.items()
+                                   if plain.rate}
     return {mode: summary[mode] for mode in modes if mode in summary}
 
 

@@ -190,8 +190,6 @@ def compiled_speed(device: torch.device, quick: bool) -> dict:
         "compiled_relative": {str(k): v / compiled[1] for k, v in compiled.items()},
     }
     result["decoding"] = _decoding_both_ways(model, prompt, mode, 3 if quick else 5)
-    del model, lm
-    torch.cuda.empty_cache()
     draft = _qwen_shape(device, draft=True)
     result["draft_0.5b_one_token_ms"] = {
         "eager": _pass_seconds(lambda: CachedLM(draft), prompt, 1, repeats, device) * 1000,

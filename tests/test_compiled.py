@@ -307,6 +307,7 @@ def test_the_bench_races_compiled_against_eager_in_one_run_beside_stock_static(t
     summary = report["summary"]
     assert summary["plain@on"]["speedup"] == pytest.approx(1.0) and summary["plain@off"]["speedup"] == pytest.approx(1.0)
     assert summary["draft@on"]["speedup_vs"]["plain@off"] > 0 and summary["draft@on"]["acceptance_rate"] is not None
+    assert summary["plain@on"]["speedup_vs"]["plain@off"] > 0  # compiled plain against eager plain
     assert "prompt_ids" in next(r for r in report["results"] if r["mode"] == "plain@on")
 
 

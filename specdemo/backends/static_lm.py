@@ -1,14 +1,15 @@
 """A second implementation of :class:`specdemo.core.protocol.LanguageModel`: one sequence in transformers'
-``StaticCache``, passes padded to a few sizes, optionally compiled with ``torch.compile``.
+``StaticCache``, optionally compiled with ``torch.compile``.
 
 Where :class:`~specdemo.backends.transformers_lm.CachedLM` grows a ``DynamicCache`` and crops it, this backend
-preallocates the keys and values once per model and capacity and never reallocates them: a rollback moves a length
+preallocates the keys and values once per model and role and never reallocates them: a rollback moves a length
 pointer (the cache's own ``crop``), a tree's accepted path is moved up inside the buffers, and rejected slots are
-simply overwritten by the next pass, as in gpt-fast. Every pass after the prompt is padded up to one of
-:data:`PASS_SIZES` rows (the padding rows see the cached prefix and themselves, and nothing reads their outputs), so
-a race needs a handful of graphs, one per pass size: with CUDA graphs (``mode="reduce-overhead"``) a one-token step
-costs a few launches instead of hundreds. Each pass gets its own 4D mask over the whole buffer (a chain's causal mask
-or a tree's ancestors), so slots beyond the sequence are never seen.
+simply overwritten by the next pass, as in gpt-fast. For CUDA graphs (and eagerly) every pass after the prompt is
+padded up to one of :data:`PASS_SIZES` rows (the padding rows see the cached prefix and themselves, and nothing reads
+their outputs), so a race needs a handful of graphs, one per pass size, and a one-token step costs a few launches
+instead of hundreds; inductor on a CPU compiles dynamic shapes instead (see :func:`compiled_pass`). Each pass gets
+its own 4D mask over the whole buffer (a chain's causal mask or a tree's ancestors), so slots beyond the sequence are
+never seen.
 
 The prompt's pass runs eagerly (its length differs from prompt to prompt). The compiled graphs are counted per
 process (:class:`GraphBudget`): past the bound a pass size runs eagerly instead of compiling another graph, so a
@@ -58,8 +59,6 @@ def capacity_for(num_tokens: int) -> int:
 
 def supports_static_cache(model: PreTrainedModel) -> str | None:
     """None when ``model`` can run on this backend, else why not (one line)."""
-    if not getattr(model, "_can_compile_fullgraph", False) and not getattr(model, "_supports_static_cache", True):
-        return f"{type(model).__name__} does not support a static cache"
     try:
         cache = StaticCache(config=model.config, max_cache_len=8)
     except Exception as error:  # noqa: BLE001 - a config transformers cannot build a static cache for
