@@ -98,6 +98,16 @@ def test_two_sides_of_one_model_keep_their_own_buffers():
     assert finished == {"plain": expected, "spec": expected}
 
 
+def test_a_pass_that_failed_halfway_through_the_layers_leaves_nothing_behind():
+    model = llama(1).eval()
+    settings = GenerationSettings(max_new_tokens=8)
+    lm = StaticLM(model, 40, role="spec")
+    collect(plain_decode(lm, PROMPTS[0], settings))
+    lm.cache.layers[0].cumulative_length.add_(5)  # as if a pass had stopped after the first layer
+    again = StaticLM(model, 40, role="spec")
+    assert collect(plain_decode(again, PROMPTS[2], settings)).new_token_ids == reference_greedy(model, PROMPTS[2], 8)
+
+
 @pytest.mark.parametrize("passes", [STATIC, COMPILED], ids=["static", "compiled"])
 @pytest.mark.parametrize("make", [llama, qwen2])
 def test_greedy_output_equals_generate_at_every_length_limit(passes, make):

@@ -217,13 +217,20 @@ class StaticLM:
         #: passes are padded to :data:`PASS_SIZES` (CUDA graphs replay fixed shapes; eager, the same cache handling);
         #: inductor on a CPU compiles shapes dynamically, so a pass there holds its own rows only
         self.pads = compile_mode != INDUCTOR
+        self.reset()  # the role's buffers may hold an earlier sequence (a race stopped halfway, say)
 
     @property
     def cache(self) -> StaticCache:
         return self._buffers.cache
 
     def reset(self) -> None:
-        self._set_length(0)
+        """An empty sequence: every layer's write pointer back to the start (read from each layer, so a pass that
+        failed halfway through the layers leaves nothing behind)."""
+        for layer in self.cache.layers:
+            written = int(layer.cumulative_length)
+            if written:
+                layer.crop(-written)
+        self.length = 0
 
     # -- passes ---------------------------------------------------------------------------------------------------
 
@@ -297,7 +304,7 @@ class StaticLM:
         states = states if with_hidden else None
         if self.compile_mode == INDUCTOR:
             _unmark_static(self.cache)
-        self._set_length(self.length + count)
+        self._advance(count, rows)
         return (outputs[0] if last_only else outputs[0, :count]), states
 
     def _step(self, module: torch.nn.Module, rows: int, with_hidden: bool, padded: bool) -> Callable:
@@ -356,21 +363,23 @@ class StaticLM:
             for layer in self.cache.layers:
                 layer.keys[:, :, base : base + len(rows)] = layer.keys.index_select(2, index)
                 layer.values[:, :, base : base + len(rows)] = layer.values.index_select(2, index)
-        self._set_length(base + len(rows))
+        self._drop(num_new - len(rows))
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
         if num_tokens > self.length:
             raise ValueError(f"cannot roll back {num_tokens} tokens from a cache of {self.length}")
-        self._set_length(self.length - num_tokens)
+        self._drop(num_tokens)
 
-    def _set_length(self, length: int) -> None:
-        """The sequence is ``length`` tokens: the cache's write pointer moves there (its ``crop`` moves it in place,
-        keeping the buffers' addresses for compiled graphs)."""
-        written = int(self.cache.get_seq_length()) if self.cache.is_initialized else 0
-        if written > length:
-            self.cache.crop(length - written)
-        elif written < length:
-            raise RuntimeError(f"the static cache holds {written} tokens, fewer than the {length} of the sequence")
-        self.length = length
+    def _advance(self, count: int, rows: int) -> None:
+        """A pass wrote ``rows`` slots, of which the sequence keeps the first ``count`` (the rest was padding)."""
+        self.length += rows
+        self._drop(rows - count)
+
+    def _drop(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` positions: the cache's write pointer moves back (its ``crop`` moves it in
+        place, on the device, keeping the buffers' addresses for compiled graphs)."""
+        if num_tokens > 0:
+            self.cache.crop(-num_tokens)
+            self.length -= num_tokens

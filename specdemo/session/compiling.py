@@ -25,7 +25,7 @@ import torch
 
 from ..backends.formats import is_int8_format
 from ..backends.loading import LoadedModel
-from ..backends.static_lm import PASS_SIZES, StaticLM, pass_size, supports_static_cache
+from ..backends.static_lm import CUDA_GRAPHS, INDUCTOR, PASS_SIZES, StaticLM, pass_size, supports_static_cache
 from ..backends.transformers_lm import CachedLM
 from ..core.clock import now
 from ..core.errors import InputError, first_line
@@ -101,6 +101,8 @@ def _why_not(target: LoadedModel, zero_gpu: bool) -> str | None:
     """Why the target's passes cannot be compiled here (one line), or None."""
     if zero_gpu:
         return "ZeroGPU cannot compile at run time"
+    if target.device.type not in ("cuda", "cpu"):
+        return f"compiled passes are built for CUDA GPUs and CPUs, not {target.device.type}"
     unsupported = supports_static_cache(target.model)
     if unsupported:
         return unsupported
@@ -127,7 +129,7 @@ def choose_passes(
             logger.warning("--compile on: eager passes instead: %s", why_not)
         return CompileOutcome(choice, EAGER, why_not)
     on_gpu = target.device.type == "cuda"
-    mode = "reduce-overhead" if on_gpu else "default"
+    mode = CUDA_GRAPHS if on_gpu else INDUCTOR
     reason = "CUDA graphs on the GPU" if on_gpu else "inductor on the CPU"
     if choice == "auto" and not on_gpu:
         verdict = compiled_verdict(target, measure, folder)
@@ -206,7 +208,7 @@ def measure_compiled(target: LoadedModel) -> CompiledVerdict:
     eager = _one_token_seconds(CachedLM(target.model), prefix, target.device)
     started = time.perf_counter()
     try:
-        compiled_lm = StaticLM(target.model, MEASURE_PREFIX + 1, "default", "measure")
+        compiled_lm = StaticLM(target.model, MEASURE_PREFIX + 1, INDUCTOR, "measure")
         compiled_lm.reset()
         compiled_lm.run(prefix[:1], all_logits=False, with_hidden=False)
         compiled_lm.run(prefix[1:2], all_logits=False, with_hidden=False)  # compiles the one-token graph
