@@ -396,6 +396,9 @@ class Racer:
     def _compile(self, prepared: Prepared, report: Progress) -> CompileOutcome:
         """How the target's passes run (``config.compile``), their graphs made the first time a target, mode and
         longest draft race; the page says what is compiling, and a failure gives eager passes before the race."""
+        if self.config.compile == "auto" and self.config.calibrate:
+            report(1.0, "Choosing how the target's passes run (on a CPU, compiled passes are measured against eager "
+                   "ones once per machine, model and format)")
         outcome = choose_passes(self.config.compile, prepared.target, zero_gpu=self.config.zero_gpu,
                                 measure=self.config.calibrate)
         if not outcome.compiled_passes:
