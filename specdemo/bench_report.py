@@ -76,9 +76,10 @@ def repeat_rates(rows: list[dict]) -> list[float]:
     return [sum(tokens) / sum(seconds) if sum(seconds) > 0 else 0.0 for tokens, seconds in per_repeat]
 
 
-def plain_step_seconds(results: list[dict]) -> float | None:
-    """Seconds per plain decoding step over a run's plain rows (the prompt pass and its first token left out)."""
-    plain = plain_of("plain", list(dict.fromkeys(r["mode"] for r in results)))
+def plain_step_seconds(results: list[dict], plain: str | None = None) -> float | None:
+    """Seconds per plain decoding step over a run's rows of the plain mode ``plain`` (default: the bench's first
+    plain run), the prompt pass and its first token left out."""
+    plain = plain or plain_of("plain", list(dict.fromkeys(r["mode"] for r in results)))
     rows = [r for r in results if r["mode"] == plain and r.get("prefill_seconds") is not None]
     steps = sum(len(r["new_token_ids"]) - 1 for r in rows)
     seconds = sum(r["seconds"] - r["prefill_seconds"] for r in rows)

@@ -34,6 +34,7 @@ from ..backends.loading import (
 )
 from ..backends.memory import resident_gb, return_free_memory
 from ..backends.offline import OfflinePackError
+from ..backends.static_lm import capacity_for
 from ..backends.suffix_trees import SuffixMemory
 from ..core.economics import CostCurve
 from ..core.errors import InputError, first_line
@@ -42,7 +43,6 @@ from ..core.settings import GenerationSettings, SamplingSettings
 from ..methods import SpecSettings, check_pair, describe_methods
 from .calibration import AUTO_FORMATS, FormatChoice, calibrate, choose_format, measures_formats, refresh_if_stale
 from .config import WARMUP_TOKENS, SessionConfig
-from ..backends.static_lm import capacity_for
 from .compiling import EAGER, CompileOutcome, Passes, choose_passes, compile_graphs, longest_draft_of
 from .pipeline import encode_prompt, plain_events, spec_events
 from .race import race
@@ -482,7 +482,8 @@ class Racer:
         )
         state.done = True
         plain = state.plain.counters
-        if plain.rounds:  # today's plain steps against the cached curve: a stale one is measured again next time
+        # today's plain steps against the cached curve (eager passes, as the curve's): a stale one is measured again
+        if plain.rounds and prepared.passes == EAGER:
             refresh_if_stale(prepared.calibration, plain.verify_seconds / plain.rounds, prepared.format_choice)
 
 
