@@ -245,25 +245,9 @@ def _decoding_both_ways(model, prompt: torch.Tensor, mode: str, repeats: int) ->
 
 def cost_curve(device: torch.device, quick: bool) -> dict:
     model = _qwen_shape(device)
-    lm = CachedLM(model)
     prompt = torch.randint(0, 151936, (300,), device=device)
     repeats = 10 if quick else 30
-    seconds: dict[int, float] = {}
-    with torch.inference_mode():
-        for k in (1, 2, 4, 8, 16, 32, 64):
-            times = []
-            for repeat in range(repeats + 3):
-                lm.reset()
-                lm.run(prompt, all_logits=False, with_hidden=False)
-                torch.cuda.synchronize(device)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                lm.run(prompt[:k], with_hidden=False)
-                end.record()
-                torch.cuda.synchronize(device)
-                if repeat >= 3:
-                    times.append(start.elapsed_time(end) / 1000)
-            seconds[k] = sorted(times)[len(times) // 2]
+    seconds = {k: _pass_seconds(lambda: CachedLM(model), prompt, k, repeats, device) for k in (1, 2, 4, 8, 16, 32, 64)}
     curve = {"model": "Qwen2.5-1.5B shape, random weights, bfloat16, after 300 cached tokens",
              "one_token_ms": seconds[1] * 1000,
              "relative": {str(k): value / seconds[1] for k, value in seconds.items()}}
