@@ -25,7 +25,7 @@ from .core.loop import collect
 from .core.metrics import decode_rate, decode_speedup
 from .core.settings import GenerationSettings, SamplingSettings
 from .methods import METHODS, Method, SpecSettings
-from .session.compiling import EAGER, CompileOutcome, Passes, compile_graphs, longest_draft_of
+from .session.compiling import EAGER, CompileOutcome, Passes, compile_graphs, drafting_model_of, longest_draft_of
 from .session.config import WARMUP_TOKENS
 from .session.pipeline import encode_prompt, plain_events, spec_events
 from .session.prompts import Prompt
@@ -214,10 +214,20 @@ class BenchRun:
         engine_modes = [split_mode(mode) for mode in self.config.modes if split_mode(mode)[0] not in STOCK_MODES]
         longest_draft = longest_draft_of(self.spec)
         for variant, outcome in self.variants.items():
-            hidden = {METHODS[mode].needs_hidden_states for mode, of in engine_modes if of == variant and mode in METHODS}
-            outcome = compile_graphs(outcome, self.target, hidden, longest_draft + 1, self.longest or 0)
+            modes = [mode for mode, of in engine_modes if of == variant and mode in METHODS]
+            hidden = {METHODS[mode].needs_hidden_states for mode in modes}
+            outcome = compile_graphs(outcome, self.target, hidden, longest_draft + 1, self.longest or 0,
+                                     self._drafting_model(modes))
             self.variants[variant] = outcome
             print(f"{variant or 'passes'}: {outcome.describe()}", flush=True)
+
+    def _drafting_model(self, modes: list[str]) -> Any:
+        """The draft model one of ``modes`` runs through the run's passes (the draft mode's), or None."""
+        for mode in modes:
+            model = drafting_model_of(replace(self.spec, mode=mode), mode_draft(mode, self.draft, self.uag_draft))
+            if model is not None:
+                return model
+        return None
 
     def warm(self, prompt_ids: list[int]) -> None:
         """The session's warm-up (the app's and the recorder's too) for the engine's modes, generate() for the

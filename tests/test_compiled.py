@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 import tiny_app
@@ -20,7 +21,7 @@ from specdemo.backends.static_lm import PASS_SIZES, GraphBudget, StaticLM, capac
 from specdemo.backends.transformers_lm import CachedLM
 from specdemo.core.loop import collect, plain_decode, speculative_decode
 from specdemo.core.settings import GenerationSettings, SamplingSettings
-from specdemo.methods import SpecSettings
+from specdemo.methods import SpecSettings, make_drafter
 from specdemo.methods.draft_length import make_policy
 from specdemo.methods.draft_model import DraftModelDrafter
 from specdemo.methods.ngram import NgramDrafter
@@ -193,6 +194,34 @@ def test_every_mode_compiled_writes_what_eager_plain_writes(mode, heads):
             assert collect(plain_events(target, prompt_ids, settings, COMPILED)).new_token_ids == expected
             final = collect(spec_events(target, draft, prompt_ids, settings, spec, passes=COMPILED))
             assert final.new_token_ids == expected, (mode, text, limit)
+
+
+@pytest.mark.parametrize("head_tokens", [0, 40], ids=["whole-head", "restricted-head"])
+def test_a_draft_model_in_a_traceable_format_runs_compiled_beside_the_target(head_tokens):
+    """Draft mode's draft model goes through the run's passes: compiled (its own static buffers) when its format
+    can be traced, eager as an int8 copy; its graphs are made in the warm-up; the output stays plain's."""
+    target, draft = tiny_app.loader("tiny:target"), tiny_app.loader("tiny:draft")
+    spec = SpecSettings(mode="draft", num_draft_tokens_schedule="fixed", num_draft_tokens=3, draft_int8=False,
+                        draft_head_tokens=head_tokens)
+    drafting = compiling.drafting_model_of(spec, draft)
+    assert drafting is draft.model
+    warmed = compile_graphs(choose_passes("on", target), target, {False}, max_rows=4, max_tokens=100,
+                            drafting=drafting)
+    assert warmed.compiled["draft"] == [1, 2]  # inductor: one graph for a row, one for more
+    for text in ("def f ( x ) : return x + y def f ( x ) : return", "the cat sat on the mat the cat"):
+        prompt_ids = encode_prompt(target, text)
+        for limit in (1, 7, 30):
+            settings = GenerationSettings(max_new_tokens=limit, collect_probs=False)
+            expected = collect(plain_events(target, prompt_ids, settings)).new_token_ids
+            final = collect(spec_events(target, draft, prompt_ids, settings, spec, passes=COMPILED))
+            assert final.new_token_ids == expected, (text, limit)
+    drafter = make_drafter(spec, target, draft, GenerationSettings(max_new_tokens=8), None, None,
+                           COMPILED.draft_language_model)
+    drafter.start(prompt_ids)
+    assert isinstance(drafter.lm, StaticLM) and drafter.lm.compile_mode == "default"
+    int8 = compiling.drafting_model_of(replace(spec, draft_int8=True), draft)
+    assert int8 is not draft.model and isinstance(COMPILED.draft_language_model(int8, 50), CachedLM)
+    assert isinstance(EAGER.draft_language_model(draft.model, 50), CachedLM)
 
 
 # ----------------------------------------------------------------------------------------------------------------

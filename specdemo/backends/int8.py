@@ -58,6 +58,12 @@ def int8_copy(model: PreTrainedModel) -> PreTrainedModel | None:
     return quantized
 
 
+def is_int8_copy(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is an int8 copy made by :func:`int8_copy` (its dynamically quantised layers run on
+    FBGEMM's packed weights, which ``torch.compile`` cannot trace)."""
+    return any(copy is model for copy in _INT8_COPIES.values())
+
+
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
     """An int8 dynamically quantised linear layer with these float weights."""
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)

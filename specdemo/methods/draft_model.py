@@ -12,21 +12,31 @@ from transformers import PreTrainedModel
 from ..backends.formats import output_rows
 from ..backends.int8 import head_rows, int8_copy, linear_rows
 from ..backends.loading import LoadedModel, same_tokenizer
-from ..backends.transformers_lm import CachedLM
 from ..core.acceptance import target_distribution
 from ..core.errors import InputError
 from ..core.protocol import Proposal, RoundResult, TargetPass
 from ..core.settings import SamplingSettings
 from .base import (
     BuildContext,
+    DraftPasses,
     Method,
     catch_up,
     drafter_generator,
+    eager_draft_passes,
     head_token_ids,
     to_target_vocab,
 )
 
 logger = logging.getLogger(__name__)
+
+
+def drafting_model(model: PreTrainedModel, int8: bool | None) -> PreTrainedModel:
+    """The model a draft drafts with: an int8 copy of ``model`` (see :func:`int8_copy`) when ``int8`` (None: for a
+    CPU draft) and the copy can be made, else ``model`` itself."""
+    if int8 is None:
+        int8 = next(model.parameters()).device.type == "cpu"
+    quantized = int8_copy(model) if int8 else None
+    return model if quantized is None else quantized
 
 
 def _auto_head_tokens(vocab_size: int) -> int:
@@ -51,6 +61,9 @@ class DraftModelDrafter:
     value (0 = never); it only looks at the draft's side, so exactness holds.
 
     ``int8``: draft with an int8 copy of the model (see :func:`int8_copy`); None = automatic (on for a CPU draft).
+
+    ``draft_passes``: how the draft's passes run for each sequence of at most ``max_new_tokens`` after its prompt
+    (eager, or on a static cache compiled as the target's are).
     """
 
     name = "draft"
@@ -67,15 +80,16 @@ class DraftModelDrafter:
         confidence_stop: float = 0.0,
         generator: torch.Generator | None = None,
         int8: bool | None = None,
+        draft_passes: DraftPasses = eager_draft_passes,
+        max_new_tokens: int = 0,
     ) -> None:
-        device = next(model.parameters()).device
-        if int8 is None:
-            int8 = device.type == "cpu"
-        quantized = int8_copy(model) if int8 else None
-        self.int8 = quantized is not None
-        if quantized is not None:
-            model = quantized
-        self.lm = CachedLM(model)
+        drafting = drafting_model(model, int8)
+        self.int8 = drafting is not model
+        self.model = drafting
+        self._draft_passes = draft_passes
+        self.max_new_tokens = max_new_tokens
+        self.lm = eager_draft_passes(drafting, 0)  # each sequence gets its own in start()
+        model = drafting
         self.sampling = sampling
         self.target_vocab_size = target_vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -95,6 +109,7 @@ class DraftModelDrafter:
 
     # -- sequence state ------------------------------------------------------------------------------------------
     def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
+        self.lm = self._draft_passes(self.model, len(prompt_ids) + self.max_new_tokens)
         self.lm.reset()
         self._cached_ids = []
         self._sub_ids = None
@@ -106,7 +121,7 @@ class DraftModelDrafter:
         usable = min(draft_vocab, self.target_vocab_size)
         frequent = min(self.head_tokens, usable)
         # the same rows for every prompt: built once per model, not per request
-        self._frequent_head = head_rows(self.lm.model, frequent, self.int8)
+        self._frequent_head = head_rows(self.model, frequent, self.int8)
         ids = head_token_ids(self.head_tokens, usable, prompt_ids, self.eos_token_ids)
         rare = torch.tensor(ids[frequent:], dtype=torch.long, device=self.lm.device)  # ids beyond the frequent ones
         self._rare_head = linear_rows(self._head, rare, self.int8) if rare.numel() else None
@@ -221,6 +236,8 @@ def _build(context: BuildContext) -> DraftModelDrafter:
         confidence_stop=options.confidence_stop,
         generator=drafter_generator(settings.sampling.seed, draft.device),
         int8=options.draft_int8,
+        draft_passes=context.draft_passes,
+        max_new_tokens=settings.max_new_tokens,
     )
 
 
@@ -233,4 +250,5 @@ METHOD = Method(
     calibrated_draft_cost=True,
     check=_check,
     draft_int8=lambda options, target, draft: options.draft_int8,
+    drafting_model=lambda draft, options: drafting_model(draft.model, options.draft_int8),
 )

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Collection, Sequence
 
 import torch
+from transformers import PreTrainedModel
 
 from ..backends.formats import is_int8_format
+from ..backends.int8 import is_int8_copy
 from ..backends.loading import LoadedModel
 from ..backends.static_lm import CUDA_GRAPHS, INDUCTOR, PASS_SIZES, StaticLM, pass_size, supports_static_cache
 from ..backends.transformers_lm import CachedLM
@@ -37,8 +39,8 @@ from .calibration import cache_path
 
 logger = logging.getLogger(__name__)
 
-#: the roles of a target's sequences in a race: each keeps its own static buffers (and graphs)
-PLAIN_ROLE, SPEC_ROLE = "plain", "spec"
+#: the roles of a target's sequences in a race (each keeps its own static buffers and graphs), and a draft model's
+PLAIN_ROLE, SPEC_ROLE, DRAFT_ROLE = "plain", "spec", "draft"
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,14 @@ class Passes:
         if self.compile_mode is None and not self.static:
             return CachedLM(target.model)
         return StaticLM(target.model, len(prompt_ids) + settings.max_new_tokens, self.compile_mode, role)
+
+    def draft_language_model(self, model: PreTrainedModel, max_tokens: int) -> CachedLM | StaticLM:
+        """A draft model's sequence of at most ``max_tokens`` (a :data:`~specdemo.methods.base.DraftPasses`): as
+        the target's passes run, except that a draft in a format the compiler cannot trace (an int8 copy, say)
+        or without a static cache stays eager."""
+        if (self.compile_mode is None and not self.static) or _why_not_draft(model):
+            return CachedLM(model)
+        return StaticLM(model, max_tokens, self.compile_mode, DRAFT_ROLE)
 
 
 EAGER = Passes()
@@ -112,6 +122,13 @@ def _why_not(target: LoadedModel, zero_gpu: bool) -> str | None:
     if target.device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
         return "no C++ compiler for torch.compile's CPU code on this machine"
     return None
+
+
+def _why_not_draft(model: PreTrainedModel) -> str | None:
+    """Why a draft model's passes stay eager beside compiled target passes (one line), or None."""
+    if is_int8_format(model) or is_int8_copy(model):
+        return "the draft runs in an int8 format, whose kernels the compiler cannot trace"
+    return supports_static_cache(model)
 
 
 def choose_passes(
@@ -247,12 +264,23 @@ def sizes_up_to(max_rows: int) -> list[int]:
     return [size for size in PASS_SIZES if size <= largest]
 
 
+def drafting_model_of(spec: SpecSettings, draft: LoadedModel | None) -> PreTrainedModel | None:
+    """The model ``spec``'s drafter runs through the run's passes (the draft model as it drafts, an int8 copy or
+    itself), or None when it runs none."""
+    method = spec.method
+    if draft is None or method.drafting_model is None:
+        return None
+    return method.drafting_model(draft, spec.options())
+
+
 def compile_graphs(
-    outcome: CompileOutcome, target: LoadedModel, spec_hidden: Collection[bool], max_rows: int, max_tokens: int
+    outcome: CompileOutcome, target: LoadedModel, spec_hidden: Collection[bool], max_rows: int, max_tokens: int,
+    drafting: PreTrainedModel | None = None,
 ) -> CompileOutcome:
     """Make every graph a run may use, before anything is timed: the plain side's one-token step and, for each
     value in ``spec_hidden`` (the speculative modes to run ask for the target's hidden states or not), every pass
-    size up to ``max_rows`` rows, on buffers that hold ``max_tokens`` (the longest prompt and answer to come). A
+    size up to ``max_rows`` rows, on buffers that hold ``max_tokens`` (the longest prompt and answer to come); and
+    the passes of the draft model ``drafting`` where it compiles (see :meth:`Passes.draft_language_model`). A
     compilation that fails gives eager passes and the reason; the outcome records the seconds it took and the sizes
     compiled."""
     if not outcome.compiled_passes:
@@ -265,6 +293,10 @@ def compile_graphs(
         for role, sizes, hidden in plan:
             _run_every_size(target, outcome.passes, role, sizes, hidden, max_tokens)
             compiled[role + (" with hidden states" if hidden else "")] = sizes
+        if drafting is not None:
+            draft_sizes = _run_every_draft_size(drafting, outcome.passes, max_tokens)
+            if draft_sizes:
+                compiled[DRAFT_ROLE] = draft_sizes
     except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager, before the race
         logger.warning("compiling the target's passes failed, eager passes instead: %s", first_line(error))
         return replace(outcome, passes=EAGER, reason=f"compiling failed: {first_line(error)}",
@@ -287,3 +319,22 @@ def _run_every_size(
             lm.run(torch.zeros(1, dtype=torch.long), all_logits=False, with_hidden=False)
             lm.run(torch.zeros(size, dtype=torch.long), with_hidden=with_hidden)
         lm.reset()
+
+
+def _run_every_draft_size(model: PreTrainedModel, passes: Passes, max_tokens: int) -> list[int]:
+    """The passes a draft model meets in a race, once each: a step and its feed of one or two tokens (logits of
+    the last row), and a catch-up or a restricted head's pass of the base model over every pass size (hidden
+    states); returns the sizes compiled (none where the draft stays eager)."""
+    lm = passes.draft_language_model(model, max_tokens)
+    if not isinstance(lm, StaticLM) or lm.compile_mode is None:
+        return []
+    sizes = list(PASS_SIZES) if lm.pads else [1, 2]
+    with torch.inference_mode():
+        for size in sizes:
+            for logits in (True, False) if size <= 2 else (False,):
+                lm.reset()
+                lm.run(torch.zeros(1, dtype=torch.long), all_logits=False, with_hidden=False)
+                ids = torch.zeros(size, dtype=torch.long)
+                lm.forward(ids, all_logits=False) if logits else lm.hidden_states(ids)
+        lm.reset()
+    return sizes

@@ -100,6 +100,6 @@ def spec_events(
     passes run."""
     prior = policy_prior(calibration, target, draft, spec.mode)
     policy = make_spec_policy(spec, target, settings, prior)
-    drafter = make_drafter(spec, target, draft, settings, policy, memory)
+    drafter = make_drafter(spec, target, draft, settings, policy, memory, passes.draft_language_model)
     lm = passes.language_model(target, prompt_ids, settings, SPEC_ROLE)
     return speculative_decode(lm, drafter, policy, prompt_ids, settings, target.eos_token_ids, target.tokenizer)

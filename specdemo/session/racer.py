@@ -43,7 +43,15 @@ from ..core.settings import GenerationSettings, SamplingSettings
 from ..methods import SpecSettings, check_pair, describe_methods
 from .calibration import AUTO_FORMATS, FormatChoice, calibrate, choose_format, measures_formats, refresh_if_stale
 from .config import WARMUP_TOKENS, SessionConfig
-from .compiling import EAGER, CompileOutcome, Passes, choose_passes, compile_graphs, longest_draft_of
+from .compiling import (
+    EAGER,
+    CompileOutcome,
+    Passes,
+    choose_passes,
+    compile_graphs,
+    drafting_model_of,
+    longest_draft_of,
+)
 from .pipeline import encode_prompt, plain_events, spec_events
 from .race import race
 from .racelog import RaceSettings
@@ -228,7 +236,7 @@ class Racer:
         self.config = config
         self._warm: set[tuple[int, int | None, str]] = set()  # (target model, draft model, mode) warmed up
         #: how each target's passes were compiled, by (target model, hidden states asked, longest draft, buffer)
-        self._compiled: dict[tuple[int, bool, int, int], CompileOutcome] = {}
+        self._compiled: dict[tuple[int, bool, int, int, int], CompileOutcome] = {}
         self._pair: frozenset[CacheKey] | None = None  # cache keys of the pair that ran last
 
     # -- checking and preparing --------------------------------------------------------------------------------
@@ -407,11 +415,14 @@ class Racer:
             return outcome
         hidden = prepared.spec.method.needs_hidden_states
         max_tokens = len(prepared.prompt_ids) + prepared.settings.max_new_tokens
-        key = (id(prepared.target.model), hidden, longest_draft_of(prepared.spec), capacity_for(max_tokens))
+        drafting = drafting_model_of(prepared.spec, prepared.draft)
+        longest_draft = longest_draft_of(prepared.spec)
+        key = (id(prepared.target.model), hidden, longest_draft, capacity_for(max_tokens), id(drafting))
         if key not in self._compiled:
             report(1.0, f"Compiling the target's passes ({outcome.reason}; once per pair, mode and length, before "
                    "the race)")
-            self._compiled[key] = compile_graphs(outcome, prepared.target, {hidden}, key[2] + 1, max_tokens)
+            self._compiled[key] = compile_graphs(outcome, prepared.target, {hidden}, longest_draft + 1, max_tokens,
+                                                 drafting)
             logger.info("%s", self._compiled[key].describe())
         compiled = self._compiled[key]
         if not compiled.compiled_passes:
