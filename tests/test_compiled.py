@@ -267,6 +267,16 @@ def test_auto_on_a_cpu_compiles_where_a_cached_measurement_found_it_faster(monke
     assert stays.passes == EAGER and stays.reason.startswith("on this CPU, a compiled one-token pass measured 97.0 ms")
 
 
+@pytest.mark.parametrize("eager,compiled,kept", [(0.100, 0.200, False), (0.200, 0.100, True)])
+def test_a_measurement_keeps_its_graph_only_where_compiling_pays(monkeypatch, eager, compiled, kept):
+    """A frozen graph holds a packed copy of the weights: when the verdict is eager, nothing keeps it."""
+    release_models()
+    times = iter([eager, compiled])
+    monkeypatch.setattr(compiling, "_one_token_seconds", lambda lm, prefix, device: next(times))
+    verdict = compiling.measure_compiled(_loaded(llama(1)))
+    assert verdict.pays == kept and bool(static_lm.GRAPHS.made) == kept
+
+
 def test_a_model_with_sliding_window_layers_stays_eager():
     from transformers import MistralConfig, MistralForCausalLM
 

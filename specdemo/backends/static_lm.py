@@ -30,7 +30,7 @@ from transformers.cache_utils import StaticLayer
 
 from ..core.protocol import TargetPass
 from ..core.tree import is_chain, tree_depths
-from .transformers_lm import cache_keyword
+from .transformers_lm import cache_keyword, chosen_hidden_states
 
 logger = logging.getLogger(__name__)
 
@@ -251,13 +251,7 @@ class StaticLM:
             logits = logits[-1:]
         if not with_hidden or states is None:
             return TargetPass(logits, None)
-        if hidden_layers is not None:
-            if any(not 0 <= layer < len(states) for layer in hidden_layers):
-                raise ValueError(f"hidden layers {tuple(hidden_layers)} asked of a model with {len(states)} hidden "
-                                 "states (the embeddings and one per decoder layer)")
-            return TargetPass(logits, torch.cat([states[layer][0, :count] for layer in hidden_layers], dim=-1))
-        hidden = states[-1][0, :count]
-        return TargetPass(logits, hidden if all_logits else hidden[-1:])
+        return TargetPass(logits, chosen_hidden_states(states, count, all_logits, hidden_layers))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, all_logits: bool = True) -> torch.Tensor:

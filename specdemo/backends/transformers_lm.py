@@ -23,6 +23,21 @@ def cache_keyword(model: PreTrainedModel) -> str:
     return "cache" if "cache" in parameters or "past_key_values" not in parameters else "past_key_values"
 
 
+def chosen_hidden_states(
+    states: tuple[torch.Tensor, ...], count: int, all_rows: bool, hidden_layers: Sequence[int] | None
+) -> torch.Tensor:
+    """The hidden states a pass returns, from transformers' ``output_hidden_states`` of a pass whose first
+    ``count`` rows are its tokens (the rest padding, if any): the final states [count, H] (the last row's only
+    unless ``all_rows``), or those of ``hidden_layers`` side by side [count, len(hidden_layers) * H], every row."""
+    if hidden_layers is None:
+        hidden = states[-1][0, :count]
+        return hidden if all_rows else hidden[-1:]
+    if any(not 0 <= layer < len(states) for layer in hidden_layers):
+        raise ValueError(f"hidden layers {tuple(hidden_layers)} asked of a model with {len(states)} hidden states "
+                         "(the embeddings and one per decoder layer)")
+    return torch.cat([states[layer][0, :count] for layer in hidden_layers], dim=-1)
+
+
 class CachedLM:
     """Wraps a Hugging Face causal LM and one sequence's KV cache (batch size 1): a
     :class:`~specdemo.core.protocol.LanguageModel`.
@@ -95,17 +110,11 @@ class CachedLM:
             output_hidden_states=with_hidden,
             **extra,
         )
-        self.length += int(ids.shape[1])
+        count = int(ids.shape[1])
+        self.length += count
         if not with_hidden or out.hidden_states is None:
             return TargetPass(out.logits[0], None)
-        if hidden_layers is not None:
-            states = out.hidden_states
-            if any(not 0 <= layer < len(states) for layer in hidden_layers):
-                raise ValueError(f"hidden layers {tuple(hidden_layers)} asked of a model with {len(states)} hidden "
-                                 "states (the embeddings and one per decoder layer)")
-            return TargetPass(out.logits[0], torch.cat([states[layer][0] for layer in hidden_layers], dim=-1))
-        hidden = out.hidden_states[-1][0]
-        return TargetPass(out.logits[0], hidden if all_logits else hidden[-1:])
+        return TargetPass(out.logits[0], chosen_hidden_states(out.hidden_states, count, all_logits, hidden_layers))
 
     @torch.inference_mode()
     def keep(self, num_new: int, rows: Sequence[int]) -> None:

@@ -27,7 +27,15 @@ from transformers import PreTrainedModel
 from ..backends.formats import is_int8_format
 from ..backends.int8 import is_int8_copy
 from ..backends.loading import LoadedModel
-from ..backends.static_lm import CUDA_GRAPHS, INDUCTOR, PASS_SIZES, StaticLM, pass_size, supports_static_cache
+from ..backends.static_lm import (
+    CUDA_GRAPHS,
+    INDUCTOR,
+    PASS_SIZES,
+    StaticLM,
+    forget_compiled,
+    pass_size,
+    supports_static_cache,
+)
 from ..backends.transformers_lm import CachedLM
 from ..core.clock import now
 from ..core.errors import InputError, first_line
@@ -233,8 +241,12 @@ def measure_compiled(target: LoadedModel) -> CompiledVerdict:
         compiled = _one_token_seconds(compiled_lm, prefix, target.device)
     except Exception as error:  # noqa: BLE001 - a compiler that fails here never pays
         logger.warning("Compiling a pass failed while measuring: %s", first_line(error))
+        forget_compiled()
         return CompiledVerdict(eager, float("inf"), time.perf_counter() - started)
-    return CompiledVerdict(eager, compiled, compile_seconds)
+    verdict = CompiledVerdict(eager, compiled, compile_seconds)
+    if not verdict.pays:  # no run will use the graph, whose frozen copy of the weights takes gigabytes
+        forget_compiled()
+    return verdict
 
 
 def _one_token_seconds(lm: LanguageModel, prefix: torch.Tensor, device: torch.device) -> float:
