@@ -217,17 +217,15 @@ class BenchRun:
             modes = [mode for mode, of in engine_modes if of == variant and mode in METHODS]
             hidden = {METHODS[mode].needs_hidden_states for mode in modes}
             outcome = compile_graphs(outcome, self.target, hidden, longest_draft + 1, self.longest or 0,
-                                     self._drafting_model(modes))
+                                     self._drafting_models(modes))
             self.variants[variant] = outcome
             print(f"{variant or 'passes'}: {outcome.describe()}", flush=True)
 
-    def _drafting_model(self, modes: list[str]) -> Any:
-        """The draft model one of ``modes`` runs through the run's passes (the draft mode's), or None."""
-        for mode in modes:
-            model = drafting_model_of(replace(self.spec, mode=mode), mode_draft(mode, self.draft, self.uag_draft))
-            if model is not None:
-                return model
-        return None
+    def _drafting_models(self, modes: list[str]) -> list[Any]:
+        """The draft models and heads ``modes`` run through the run's passes."""
+        found = (drafting_model_of(replace(self.spec, mode=mode), self.target,
+                                   mode_draft(mode, self.draft, self.uag_draft)) for mode in modes)
+        return [model for model in found if model is not None]
 
     def warm(self, prompt_ids: list[int]) -> None:
         """The session's warm-up (the app's and the recorder's too) for the engine's modes, generate() for the

@@ -15,6 +15,8 @@ from tiny import VOCAB, gpt2, llama, qwen2, reference_greedy, save_tiny_eagle_he
 
 from specdemo import bench
 from specdemo.backends import static_lm
+from specdemo.backends.eagle3_head import EagleConfig, EagleHead, HeadKVCache
+from specdemo.backends.eagle3_static import StaticHeadCache
 from specdemo.backends.formats import to_int8_format
 from specdemo.backends.loading import LoadedModel, LoadSettings, clear_model_cache
 from specdemo.backends.static_lm import PASS_SIZES, GraphBudget, StaticLM, capacity_for, pass_size
@@ -203,11 +205,11 @@ def test_a_draft_model_in_a_traceable_format_runs_compiled_beside_the_target(hea
     target, draft = tiny_app.loader("tiny:target"), tiny_app.loader("tiny:draft")
     spec = SpecSettings(mode="draft", num_draft_tokens_schedule="fixed", num_draft_tokens=3, draft_int8=False,
                         draft_head_tokens=head_tokens)
-    drafting = compiling.drafting_model_of(spec, draft)
+    drafting = compiling.drafting_model_of(spec, target, draft)
     assert drafting is draft.model
     warmed = compile_graphs(choose_passes("on", target), target, {False}, max_rows=4, max_tokens=100,
-                            drafting=drafting)
-    assert warmed.compiled["draft"] == [1, 2]  # inductor: one graph for a row, one for more
+                            drafting=[drafting])
+    assert warmed.compiled["draft model"] == [1, 2]  # inductor: one graph for a row, one for more
     for text in ("def f ( x ) : return x + y def f ( x ) : return", "the cat sat on the mat the cat"):
         prompt_ids = encode_prompt(target, text)
         for limit in (1, 7, 30):
@@ -215,13 +217,40 @@ def test_a_draft_model_in_a_traceable_format_runs_compiled_beside_the_target(hea
             expected = collect(plain_events(target, prompt_ids, settings)).new_token_ids
             final = collect(spec_events(target, draft, prompt_ids, settings, spec, passes=COMPILED))
             assert final.new_token_ids == expected, (text, limit)
-    drafter = make_drafter(spec, target, draft, GenerationSettings(max_new_tokens=8), None, None,
-                           COMPILED.draft_language_model)
+    drafter = make_drafter(spec, target, draft, GenerationSettings(max_new_tokens=8), None, None, COMPILED)
     drafter.start(prompt_ids)
     assert isinstance(drafter.lm, StaticLM) and drafter.lm.compile_mode == "default"
-    int8 = compiling.drafting_model_of(replace(spec, draft_int8=True), draft)
+    int8 = compiling.drafting_model_of(replace(spec, draft_int8=True), target, draft)
     assert int8 is not draft.model and isinstance(COMPILED.draft_language_model(int8, 50), CachedLM)
     assert isinstance(EAGER.draft_language_model(draft.model, 50), CachedLM)
+
+
+@pytest.mark.parametrize("compile_mode", [None, "default"], ids=["static", "compiled"])
+def test_an_eagle_head_steps_alike_on_its_static_cache(compile_mode):
+    """The head's catch-up (causal), a tree step (its own mask), a crop and a chain step give the same outputs on
+    the static cache, eager or compiled, as on the growing one; the warm-up compiles the head's step sizes."""
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig(32, 4, 2, 8, 64, VOCAB, 48, (1, 2, 3))).eval()
+    features, embeds = torch.randn(12, 32), torch.randn(12, 32)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
+    visible = torch.cat([torch.ones(4, 7, dtype=torch.bool), tree], dim=1)
+    runs = []
+    for cache in (HeadKVCache(), StaticHeadCache(head, 100, compile_mode)):
+        with torch.inference_mode():
+            catch_up = cache.step(head, features[:7], embeds[:7], torch.arange(7))
+            step = cache.step(head, features[7:11], embeds[7:11], torch.tensor([7, 8, 8, 7]), visible)
+            cache.crop(7)
+            chain = cache.step(head, features[11:], embeds[11:], torch.tensor([7]))
+        assert cache.length == 8
+        runs.append((catch_up, step, chain))
+    for growing, static in zip(*runs):
+        torch.testing.assert_close(static, growing, rtol=1e-4, atol=1e-5)
+    if compile_mode:
+        target = _loaded(llama(1))
+        warmed = compile_graphs(choose_passes("on", target), target, {True}, max_rows=4, max_tokens=100,
+                                drafting=[head])
+        assert warmed.compiled["EAGLE head"] == [1, 2]
+        assert isinstance(EAGER.head_cache(head, 50), HeadKVCache)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 from torch import nn
@@ -102,6 +102,12 @@ class _RMSNorm(nn.Module):
         return self.weight * hidden.to(dtype)
 
 
+class KeyValueWriter(Protocol):
+    """Where the head's attention writes a pass's keys and values: it returns every key and value to attend to."""
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class HeadKVCache:
     """The head's keys and values [kv_heads, positions, head_dim] in buffers that grow by doubling; ``crop`` drops
     the drafted positions at no cost."""
@@ -129,6 +135,13 @@ class HeadKVCache:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def step(
+        self, head: "EagleHead", features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+        visible: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``head`` over these rows after the cached ones (see :meth:`EagleHead.forward`), extending this cache."""
+        return head(features, embeds, positions, self, visible)
+
 
 def _rotate_half(states: torch.Tensor) -> torch.Tensor:
     first, second = states.chunk(2, dim=-1)
@@ -155,7 +168,7 @@ class _Attention(nn.Module):
         inputs: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: HeadKVCache | None,
+        cache: KeyValueWriter | None,
         visible: torch.Tensor | None,
     ) -> torch.Tensor:
         count = inputs.shape[0]
@@ -209,7 +222,7 @@ class _DecoderLayer(nn.Module):
         features: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: HeadKVCache | None,
+        cache: KeyValueWriter | None,
         visible: torch.Tensor | None,
     ) -> torch.Tensor:
         normed = self.hidden_norm(features)
@@ -287,15 +300,16 @@ class EagleHead(nn.Module):
         features: torch.Tensor,
         embeds: torch.Tensor,
         positions: torch.Tensor,
-        cache: HeadKVCache | None = None,
+        cache: "HeadKVCache | KeyValueWriter | None" = None,
         visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The layer's outputs [n, H] for features [n, H] and token embeddings [n, H] at ``positions`` [n].
-        ``visible`` [n, cached + n] (True: attend): None = causal over the new rows after everything cached."""
+        ``visible`` [n, cached + n] (True: attend): None = causal over the new rows after everything cached (a
+        :class:`HeadKVCache`'s; another writer is always given a mask)."""
         dtype = self.dtype
         count = features.shape[0]
-        cached = cache.length if cache is not None else 0
         if visible is None and count > 1:
+            cached = cache.length if isinstance(cache, HeadKVCache) else 0
             visible = torch.ones(count, cached + count, dtype=torch.bool, device=features.device)
             visible[:, cached:] = torch.ones(count, count, dtype=torch.bool, device=features.device).tril()
         frequencies = positions.to(torch.float32)[:, None] * self._inv_freq.to(positions.device)[None]

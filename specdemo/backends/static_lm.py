@@ -22,7 +22,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel, StaticCache
@@ -115,14 +115,14 @@ def _model_pass(
     return logits, out.hidden_states if with_hidden else None
 
 
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[tuple[Callable, str], Callable] = {}
 
 
 def _frozen(compiled: Callable) -> Callable:
     """``compiled`` called with inductor's freezing on (and off again after)."""
     import torch._inductor.config as inductor_config
 
-    def call(*args: object) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    def call(*args: object) -> Any:
         with inductor_config.patch(freezing=True):
             return compiled(*args)
 
@@ -130,8 +130,13 @@ def _frozen(compiled: Callable) -> Callable:
 
 
 def compiled_pass(mode: str) -> Callable:
-    """``_model_pass`` compiled with ``mode``, one per mode and process; the graphs themselves are made on first use
-    of each shape.
+    """``_model_pass`` compiled with ``mode`` (see :func:`compiled`)."""
+    return compiled(_model_pass, mode)
+
+
+def compiled(function: Callable, mode: str) -> Callable:
+    """``function`` (a pass of a module) compiled with ``mode``, once per function, mode and process; the graphs
+    themselves are made on first use of each shape.
 
     ``"reduce-overhead"`` (:data:`CUDA_GRAPHS`): CUDA graphs, one per padded pass size. ``"default"``
     (:data:`INDUCTOR`, on a CPU): inductor with the weights frozen into the graph, with dynamic shapes (one graph for
@@ -141,13 +146,14 @@ def compiled_pass(mode: str) -> Callable:
     frozen graph holds its own packed copy of the weights, hence dynamic shapes: two graphs, two copies, not one per
     pass size. Freezing is a process-wide setting of inductor's, read while a call traces and compiles: it is on
     only around these calls (``generate``'s own compilation, the bench's ``hf-static``, stays stock)."""
-    if mode not in _COMPILED:
+    key = (function, mode)
+    if key not in _COMPILED:
         _raise_dynamo_limits()
         if mode == INDUCTOR:
-            _COMPILED[mode] = _frozen(torch.compile(_model_pass, dynamic=True))
+            _COMPILED[key] = _frozen(torch.compile(function, dynamic=True))
         else:
-            _COMPILED[mode] = torch.compile(_model_pass, mode=mode, dynamic=False)
-    return _COMPILED[mode]
+            _COMPILED[key] = torch.compile(function, mode=mode, dynamic=False)
+    return _COMPILED[key]
 
 
 def forget_compiled() -> None:

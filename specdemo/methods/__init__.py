@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ..core.errors import InputError
 from ..core.protocol import Drafter, DraftLengthPolicy
 from ..core.settings import MAX_NUM_DRAFT_TOKENS
-from .base import BuildContext, DraftPasses, Method, PolicyContext, eager_draft_passes
+from ..backends.passes import EAGER, Passes
+from .base import BuildContext, Method, PolicyContext
 from .draft_length import make_policy
 from .ngram import NgramOptions
 from .suffix import SuffixOptions
@@ -167,12 +168,13 @@ def make_drafter(
     settings: "GenerationSettings",
     policy: DraftLengthPolicy | None = None,
     memory: "SuffixMemory | None" = None,
-    draft_passes: DraftPasses = eager_draft_passes,
+    passes: Passes = EAGER,
 ) -> Drafter:
     """The drafter of one speculative run (the pair checked first); ``memory``: the answers of earlier races, for
-    a mode that drafts from them (suffix decoding); ``draft_passes``: how a draft model's passes run."""
+    a mode that drafts from them (suffix decoding); ``passes``: how the run's passes run (a draft model's, a
+    head's)."""
     spec.validate()
     check_pair(spec, target, draft)
     return spec.method.build(BuildContext(target, draft, settings, spec.options(), policy, memory,
-                                          draft_passes=draft_passes))
+                                          passes=passes))
 

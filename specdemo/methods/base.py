@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from ..backends.passes import EAGER, Passes
 from ..backends.static_lm import StaticLM
 from ..backends.transformers_lm import CachedLM
 from ..core.clock import now
@@ -26,8 +27,6 @@ from ..core.protocol import Drafter, DraftLengthPolicy
 from .draft_length import TreeBudget, make_policy
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
     from ..backends.loading import LoadedModel
     from ..backends.suffix_trees import SuffixMemory
     from ..core.economics import CostCurve
@@ -61,16 +60,6 @@ def drafter_generator(seed: int | None, device: torch.device) -> torch.Generator
     return seeded_generator(None if seed is None else seed + 1, device)
 
 
-#: how a draft model's passes run: (the model, the longest sequence it will hold) -> one sequence of it, eager
-#: (``CachedLM``) or on a static cache, compiled with the target's passes (``StaticLM``); the session chooses
-DraftPasses = Callable[["PreTrainedModel", int], "CachedLM | StaticLM"]
-
-
-def eager_draft_passes(model: "PreTrainedModel", max_tokens: int) -> CachedLM:
-    """A draft model's passes run eagerly on a growing cache (``max_tokens`` needs no buffers)."""
-    return CachedLM(model)
-
-
 def catch_up(lm: "CachedLM | StaticLM", feed: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Feed a draft the ids it is behind on (more than the last round's bonus and correction: text written during
     plain steps) in a pass of its own, without an LM head; returns the last id, still to feed, and the seconds the
@@ -100,8 +89,9 @@ class BuildContext:
     #: what a drafter that times its own drafting reads the time from (None: the wall clock; a replay on simulated
     #: time gives one that stands still, as its drafting takes no simulated time)
     clock: "Callable[[], float] | None" = None
-    #: how a draft model's passes run (the run's passes: compiled when the target's are and the draft's format can be)
-    draft_passes: DraftPasses = eager_draft_passes
+    #: how the run's passes run, a draft model's and a head's too (compiled when the target's are and their format
+    #: can be)
+    passes: Passes = EAGER
 
 
 @dataclass(frozen=True)
@@ -153,10 +143,10 @@ class Method:
     #: what a results file records about the method's own parts beside this target (for example the number format
     #: a head runs in), as JSON-ready values
     describe: "Callable[[LoadedModel, Any], dict[str, Any]] | None" = None
-    #: the model the drafter's passes run on when they go through :attr:`BuildContext.draft_passes` (compiled with
-    #: the target's), from the draft and the options, so a warm-up can make its graphs before the race; None: the
-    #: drafter runs no model that way
-    drafting_model: "Callable[[LoadedModel, Any], PreTrainedModel] | None" = None
+    #: the model or head the drafter runs through :attr:`BuildContext.passes` (compiled with the target's passes),
+    #: from the target, the draft and the options, so a warm-up can make its graphs before the race; None: the
+    #: drafter runs none that way
+    drafting_model: "Callable[[LoadedModel, LoadedModel | None, Any], torch.nn.Module] | None" = None
 
 
 def heads_policy(context: PolicyContext, tree: bool, chain_cap: int | None = None) -> DraftLengthPolicy:

@@ -12,17 +12,16 @@ from transformers import PreTrainedModel
 from ..backends.formats import output_rows
 from ..backends.int8 import head_rows, int8_copy, linear_rows
 from ..backends.loading import LoadedModel, same_tokenizer
+from ..backends.passes import EAGER, Passes
 from ..core.acceptance import target_distribution
 from ..core.errors import InputError
 from ..core.protocol import Proposal, RoundResult, TargetPass
 from ..core.settings import SamplingSettings
 from .base import (
     BuildContext,
-    DraftPasses,
     Method,
     catch_up,
     drafter_generator,
-    eager_draft_passes,
     head_token_ids,
     to_target_vocab,
 )
@@ -62,8 +61,8 @@ class DraftModelDrafter:
 
     ``int8``: draft with an int8 copy of the model (see :func:`int8_copy`); None = automatic (on for a CPU draft).
 
-    ``draft_passes``: how the draft's passes run for each sequence of at most ``max_new_tokens`` after its prompt
-    (eager, or on a static cache compiled as the target's are).
+    ``passes``: how the draft's passes run for each sequence of at most ``max_new_tokens`` after its prompt (eager,
+    or on a static cache compiled as the target's are).
     """
 
     name = "draft"
@@ -80,15 +79,15 @@ class DraftModelDrafter:
         confidence_stop: float = 0.0,
         generator: torch.Generator | None = None,
         int8: bool | None = None,
-        draft_passes: DraftPasses = eager_draft_passes,
+        passes: Passes = EAGER,
         max_new_tokens: int = 0,
     ) -> None:
         drafting = drafting_model(model, int8)
         self.int8 = drafting is not model
         self.model = drafting
-        self._draft_passes = draft_passes
+        self.passes = passes
         self.max_new_tokens = max_new_tokens
-        self.lm = eager_draft_passes(drafting, 0)  # each sequence gets its own in start()
+        self.lm = EAGER.draft_language_model(drafting, 0)  # each sequence gets its own in start()
         model = drafting
         self.sampling = sampling
         self.target_vocab_size = target_vocab_size
@@ -109,7 +108,7 @@ class DraftModelDrafter:
 
     # -- sequence state ------------------------------------------------------------------------------------------
     def start(self, prompt_ids: Sequence[int], prefill: TargetPass | None = None) -> None:
-        self.lm = self._draft_passes(self.model, len(prompt_ids) + self.max_new_tokens)
+        self.lm = self.passes.draft_language_model(self.model, len(prompt_ids) + self.max_new_tokens)
         self.lm.reset()
         self._cached_ids = []
         self._sub_ids = None
@@ -236,7 +235,7 @@ def _build(context: BuildContext) -> DraftModelDrafter:
         confidence_stop=options.confidence_stop,
         generator=drafter_generator(settings.sampling.seed, draft.device),
         int8=options.draft_int8,
-        draft_passes=context.draft_passes,
+        passes=context.passes,
         max_new_tokens=settings.max_new_tokens,
     )
 
@@ -250,5 +249,5 @@ METHOD = Method(
     calibrated_draft_cost=True,
     check=_check,
     draft_int8=lambda options, target, draft: options.draft_int8,
-    drafting_model=lambda draft, options: drafting_model(draft.model, options.draft_int8),
+    drafting_model=lambda target, draft, options: drafting_model(draft.model, options.draft_int8) if draft else None,
 )

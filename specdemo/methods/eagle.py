@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from ..backends.eagle3_checkpoint import head_for
-from ..backends.eagle3_head import EagleHead, HeadKVCache
+from ..backends.eagle3_head import EagleHead
+from ..backends.passes import EAGER, Passes
 from ..backends.formats import output_rows
 from ..backends.loading import LoadedModel
 from ..core.acceptance import target_distribution
@@ -83,6 +84,8 @@ class EagleDrafter:
         generator: torch.Generator | None = None,
         verify_cost: Callable[[int], float] | None = None,
         lookup: LookupBranch | None = None,
+        passes: Passes = EAGER,
+        max_new_tokens: int = 0,
     ) -> None:
         if tree and not sampling.greedy:
             raise ValueError("an EAGLE tree is verified greedily only; sampled runs use the chain")
@@ -101,7 +104,9 @@ class EagleDrafter:
         #: the target layers whose states the loop asks every pass for (see LanguageModel.run)
         self.hidden_layers: tuple[int, ...] = tuple(head.hidden_layers)
         self._width = head.config.num_features * head.config.hidden_size
-        self._cache = HeadKVCache()
+        self.passes = passes
+        self.max_new_tokens = max_new_tokens
+        self._cache = EAGER.head_cache(head, 0)  # each sequence gets its own in start()
         self._committed = 0  # head positions in the cache: target features paired with accepted tokens
         self._pending: torch.Tensor | None = None  # target states of the next positions, not yet run
         self._pending_plain = 0  # how many of them came from rounds without a draft
@@ -117,7 +122,7 @@ class EagleDrafter:
         if states is None or states.shape[0] != len(prompt_ids) or states.shape[-1] != self._width:
             raise ValueError(f"an EAGLE head needs the target's states of layers {list(self.hidden_layers)} at "
                              "every prompt position (run the target with hidden_layers)")
-        self._cache = HeadKVCache()
+        self._cache = self.passes.head_cache(self.head, len(prompt_ids) + self.max_new_tokens)
         self._committed, self._pending, self._pending_plain, self._root = 0, states, 0, None
         self.sizer.start()
         if self.lookup is not None:
@@ -142,7 +147,7 @@ class EagleDrafter:
         started = now(self.device)
         tokens = context[self._committed + 1 : self._committed + count + 1]
         features = self.head.features(self._pending)
-        outputs = self.head(features, self._embed(tokens), self._positions(self._committed, count), self._cache)
+        outputs = self._cache.step(self.head, features, self._embed(tokens), self._positions(self._committed, count))
         self._committed += count
         self._root = (outputs[-1], self.head.logits(outputs[-1:])[0])
         self._pending = None
@@ -227,9 +232,8 @@ class EagleDrafter:
                     ancestor = parents[ancestor]
                 visible[row, base + done + row] = True
             features = torch.stack([root_output if parents[n] < 0 else outputs[run_at[parents[n]]] for n in frontier])
-            stepped = self.head(features, self._embed([tokens[n] for n in frontier]),
-                                self._positions(base + step, 1).expand(len(frontier)), self._cache,
-                                visible.to(self.device))
+            stepped = self._cache.step(self.head, features, self._embed([tokens[n] for n in frontier]),
+                                       self._positions(base + step, 1).expand(len(frontier)), visible.to(self.device))
             for row, node in enumerate(frontier):
                 run_at[node] = done + row
                 outputs.append(stepped[row])
@@ -263,8 +267,8 @@ class EagleDrafter:
             rows.append(to_target_vocab(probs, self.head.draft_ids, self.target_vocab_size))
             if step + 1 == num_draft_tokens:
                 break
-            stepped = self.head(output.view(1, -1), self._embed(tokens[-1:]),
-                                self._positions(self._committed + step, 1), self._cache)
+            stepped = self._cache.step(self.head, output.view(1, -1), self._embed(tokens[-1:]),
+                                       self._positions(self._committed + step, 1))
             output, logits = stepped[0], self.head.logits(stepped)[0]
         return tokens, torch.stack(rows)
 
@@ -347,6 +351,8 @@ def _build(context: BuildContext, tree: bool) -> EagleDrafter:
         generator=drafter_generator(settings.sampling.seed, target.device),
         verify_cost=tree_verify_cost(policy, tree),
         lookup=lookup,
+        passes=context.passes,
+        max_new_tokens=settings.max_new_tokens,
     )
 
 
@@ -367,6 +373,7 @@ METHODS = (
         check=_check,
         describe=_describe,
         make_policy=lambda context: _policy(context, tree=True),
+        drafting_model=lambda target, draft, options: head_for(target, options.eagle_head),
     ),
     Method(
         name="eagle-chain",
@@ -378,5 +385,6 @@ METHODS = (
         check=_check,
         describe=_describe,
         make_policy=lambda context: _policy(context, tree=False),
+        drafting_model=lambda target, draft, options: head_for(target, options.eagle_head),
     ),
 )

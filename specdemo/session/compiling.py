@@ -24,9 +24,11 @@ from typing import Collection, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from ..backends.eagle3_head import EagleHead
+from ..backends.eagle3_static import MAX_COMPILED_ROWS, StaticHeadCache
 from ..backends.formats import is_int8_format
-from ..backends.int8 import is_int8_copy
 from ..backends.loading import LoadedModel
+from ..backends.passes import EAGER, PLAIN_ROLE, SPEC_ROLE, Passes
 from ..backends.static_lm import (
     CUDA_GRAPHS,
     INDUCTOR,
@@ -47,37 +49,6 @@ from .calibration import cache_path
 
 logger = logging.getLogger(__name__)
 
-#: the roles of a target's sequences in a race (each keeps its own static buffers and graphs), and a draft model's
-PLAIN_ROLE, SPEC_ROLE, DRAFT_ROLE = "plain", "spec", "draft"
-
-
-@dataclass(frozen=True)
-class Passes:
-    """How a run's target passes run, the same for both sides of a race: ``compile_mode`` None: eager on a growing
-    cache (or, ``static``, on a static cache: the compiled passes' cache handling without a compiler); else on a
-    static cache, compiled with this ``torch.compile`` mode."""
-
-    compile_mode: str | None = None
-    static: bool = False
-
-    def language_model(
-        self, target: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSettings, role: str
-    ) -> LanguageModel:
-        """The target as the decoding loop sees it, for one run of ``settings`` after ``prompt_ids``."""
-        if self.compile_mode is None and not self.static:
-            return CachedLM(target.model)
-        return StaticLM(target.model, len(prompt_ids) + settings.max_new_tokens, self.compile_mode, role)
-
-    def draft_language_model(self, model: PreTrainedModel, max_tokens: int) -> CachedLM | StaticLM:
-        """A draft model's sequence of at most ``max_tokens`` (a :data:`~specdemo.methods.base.DraftPasses`): as
-        the target's passes run, except that a draft in a format the compiler cannot trace (an int8 copy, say)
-        or without a static cache stays eager."""
-        if (self.compile_mode is None and not self.static) or _why_not_draft(model):
-            return CachedLM(model)
-        return StaticLM(model, max_tokens, self.compile_mode, DRAFT_ROLE)
-
-
-EAGER = Passes()
 
 
 @dataclass
@@ -130,13 +101,6 @@ def _why_not(target: LoadedModel, zero_gpu: bool) -> str | None:
     if target.device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
         return "no C++ compiler for torch.compile's CPU code on this machine"
     return None
-
-
-def _why_not_draft(model: PreTrainedModel) -> str | None:
-    """Why a draft model's passes stay eager beside compiled target passes (one line), or None."""
-    if is_int8_format(model) or is_int8_copy(model):
-        return "the draft runs in an int8 format, whose kernels the compiler cannot trace"
-    return supports_static_cache(model)
 
 
 def choose_passes(
@@ -276,23 +240,23 @@ def sizes_up_to(max_rows: int) -> list[int]:
     return [size for size in PASS_SIZES if size <= largest]
 
 
-def drafting_model_of(spec: SpecSettings, draft: LoadedModel | None) -> PreTrainedModel | None:
-    """The model ``spec``'s drafter runs through the run's passes (the draft model as it drafts, an int8 copy or
-    itself), or None when it runs none."""
+def drafting_model_of(spec: SpecSettings, target: LoadedModel, draft: LoadedModel | None) -> torch.nn.Module | None:
+    """The model or head ``spec``'s drafter runs through the run's passes (the draft model as it drafts, an int8
+    copy or itself; an EAGLE head), or None when it runs none."""
     method = spec.method
-    if draft is None or method.drafting_model is None:
+    if method.drafting_model is None:
         return None
-    return method.drafting_model(draft, spec.options())
+    return method.drafting_model(target, draft, spec.options())
 
 
 def compile_graphs(
     outcome: CompileOutcome, target: LoadedModel, spec_hidden: Collection[bool], max_rows: int, max_tokens: int,
-    drafting: PreTrainedModel | None = None,
+    drafting: Sequence[torch.nn.Module] = (),
 ) -> CompileOutcome:
     """Make every graph a run may use, before anything is timed: the plain side's one-token step and, for each
     value in ``spec_hidden`` (the speculative modes to run ask for the target's hidden states or not), every pass
     size up to ``max_rows`` rows, on buffers that hold ``max_tokens`` (the longest prompt and answer to come); and
-    the passes of the draft model ``drafting`` where it compiles (see :meth:`Passes.draft_language_model`). A
+    the passes of each of ``drafting`` (draft models, EAGLE heads: see :func:`drafting_model_of`) that compiles. A
     compilation that fails gives eager passes and the reason; the outcome records the seconds it took and the sizes
     compiled."""
     if not outcome.compiled_passes:
@@ -305,10 +269,15 @@ def compile_graphs(
         for role, sizes, hidden in plan:
             _run_every_size(target, outcome.passes, role, sizes, hidden, max_tokens)
             compiled[role + (" with hidden states" if hidden else "")] = sizes
-        if drafting is not None:
-            draft_sizes = _run_every_draft_size(drafting, outcome.passes, max_tokens)
-            if draft_sizes:
-                compiled[DRAFT_ROLE] = draft_sizes
+        for model in drafting:
+            if isinstance(model, EagleHead):
+                head_sizes = _run_every_head_size(model, outcome.passes, max_tokens)
+                if head_sizes:
+                    compiled["EAGLE head"] = head_sizes
+            elif isinstance(model, PreTrainedModel):
+                draft_sizes = _run_every_draft_size(model, outcome.passes, max_tokens)
+                if draft_sizes:
+                    compiled["draft model"] = draft_sizes
     except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager, before the race
         logger.warning("compiling the target's passes failed, eager passes instead: %s", first_line(error))
         return replace(outcome, passes=EAGER, reason=f"compiling failed: {first_line(error)}",
@@ -349,4 +318,21 @@ def _run_every_draft_size(model: PreTrainedModel, passes: Passes, max_tokens: in
                 ids = torch.zeros(size, dtype=torch.long)
                 lm.forward(ids, all_logits=False) if logits else lm.hidden_states(ids)
         lm.reset()
+    return sizes
+
+
+def _run_every_head_size(head: EagleHead, passes: Passes, max_tokens: int) -> list[int]:
+    """The steps an EAGLE head meets in a race, once each: every row count it compiles (a tree's frontier, a chain's
+    one token, a short catch-up); returns the sizes compiled (none where the head stays eager)."""
+    cache = passes.head_cache(head, max_tokens)
+    if not isinstance(cache, StaticHeadCache) or cache.compile_mode is None:
+        return []
+    sizes = list(range(1, MAX_COMPILED_ROWS + 1)) if cache.compile_mode != INDUCTOR else [1, 2]
+    width = head.config.hidden_size
+    with torch.inference_mode():
+        for size in sizes:
+            cache.crop(0)
+            rows = torch.zeros(size, width, dtype=head.dtype, device=head.device)
+            cache.step(head, rows, rows, torch.arange(size, device=head.device))
+        cache.crop(0)
     return sizes

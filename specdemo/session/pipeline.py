@@ -23,7 +23,7 @@ from ..core.loop import plain_decode, speculative_decode
 from ..core.settings import GenerationSettings
 from ..methods import SpecSettings, get_method, make_drafter, make_spec_policy
 from ..methods.uag import shared_vocabulary, token_bytes
-from .compiling import EAGER, PLAIN_ROLE, SPEC_ROLE, Passes
+from ..backends.passes import EAGER, PLAIN_ROLE, SPEC_ROLE, Passes
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,6 @@ def spec_events(
     passes run."""
     prior = policy_prior(calibration, target, draft, spec.mode)
     policy = make_spec_policy(spec, target, settings, prior)
-    drafter = make_drafter(spec, target, draft, settings, policy, memory, passes.draft_language_model)
+    drafter = make_drafter(spec, target, draft, settings, policy, memory, passes)
     lm = passes.language_model(target, prompt_ids, settings, SPEC_ROLE)
     return speculative_decode(lm, drafter, policy, prompt_ids, settings, target.eos_token_ids, target.tokenizer)

@@ -415,14 +415,14 @@ class Racer:
             return outcome
         hidden = prepared.spec.method.needs_hidden_states
         max_tokens = len(prepared.prompt_ids) + prepared.settings.max_new_tokens
-        drafting = drafting_model_of(prepared.spec, prepared.draft)
+        drafting = drafting_model_of(prepared.spec, prepared.target, prepared.draft)
         longest_draft = longest_draft_of(prepared.spec)
         key = (id(prepared.target.model), hidden, longest_draft, capacity_for(max_tokens), id(drafting))
         if key not in self._compiled:
             report(1.0, f"Compiling the target's passes ({outcome.reason}; once per pair, mode and length, before "
                    "the race)")
             self._compiled[key] = compile_graphs(outcome, prepared.target, {hidden}, longest_draft + 1, max_tokens,
-                                                 drafting)
+                                                 [drafting] if drafting is not None else [])
             logger.info("%s", self._compiled[key].describe())
         compiled = self._compiled[key]
         if not compiled.compiled_passes:

@@ -1,0 +1,70 @@
+"""How a run's passes run: eagerly on growing caches, or on static caches, compiled (``--compile``; the choice is
+made in :mod:`specdemo.session.compiling`). One :class:`Passes` serves a whole race: the target's two sides, a draft
+model's passes and an EAGLE head's steps, so a drafter never decides on its own whether it compiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from transformers import PreTrainedModel
+
+from ..core.protocol import LanguageModel
+from ..core.settings import GenerationSettings
+from .eagle3_head import EagleHead, HeadKVCache
+from .eagle3_static import StaticHeadCache
+from .formats import W8A8Linear, is_int8_format
+from .int8 import is_int8_copy
+from .loading import LoadedModel
+from .static_lm import StaticLM, supports_static_cache
+from .transformers_lm import CachedLM
+
+#: the roles of a target's sequences in a race (each keeps its own static buffers and graphs), and a draft model's
+PLAIN_ROLE, SPEC_ROLE, DRAFT_ROLE = "plain", "spec", "draft"
+
+
+@dataclass(frozen=True)
+class Passes:
+    """How a run's passes run, the same for both sides of a race and for what drafts: ``compile_mode`` None: eager
+    on a growing cache (or, ``static``, on a static cache: the compiled passes' cache handling without a compiler);
+    else on a static cache, compiled with this ``torch.compile`` mode."""
+
+    compile_mode: str | None = None
+    static: bool = False
+
+    @property
+    def eager(self) -> bool:
+        return self.compile_mode is None and not self.static
+
+    def language_model(
+        self, target: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSettings, role: str
+    ) -> LanguageModel:
+        """The target as the decoding loop sees it, for one run of ``settings`` after ``prompt_ids``."""
+        if self.eager:
+            return CachedLM(target.model)
+        return StaticLM(target.model, len(prompt_ids) + settings.max_new_tokens, self.compile_mode, role)
+
+    def draft_language_model(self, model: PreTrainedModel, max_tokens: int) -> CachedLM | StaticLM:
+        """A draft model's sequence of at most ``max_tokens``: as the target's passes run, except that a draft in a format the compiler cannot trace (an int8 copy, say)
+        or without a static cache stays eager."""
+        if self.eager or why_not_draft(model):
+            return CachedLM(model)
+        return StaticLM(model, max_tokens, self.compile_mode, DRAFT_ROLE)
+
+    def head_cache(self, head: EagleHead, max_tokens: int) -> HeadKVCache | StaticHeadCache:
+        """An EAGLE head's cache for a sequence of at most ``max_tokens``: its steps as the target's passes run,
+        except that a head in w8a8 (integer kernels the compiler cannot trace) stays eager."""
+        if self.eager or isinstance(head.fc, W8A8Linear):
+            return HeadKVCache()
+        return StaticHeadCache(head, max_tokens, self.compile_mode)
+
+
+EAGER = Passes()
+
+
+def why_not_draft(model: PreTrainedModel) -> str | None:
+    """Why a draft model's passes stay eager beside compiled target passes (one line), or None."""
+    if is_int8_format(model) or is_int8_copy(model):
+        return "the draft runs in an int8 format, whose kernels the compiler cannot trace"
+    return supports_static_cache(model)
