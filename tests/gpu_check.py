@@ -10,10 +10,11 @@
 3. The baseline's speed on the GPU: the same model, 128 new tokens after the 300-token prompt, this project's plain
    decoding against transformers' ``generate`` (greedy, no EOS), medians of repeats, both outputs compared.
 4. Compiled passes (``--compile on``: a static cache and ``torch.compile``, CUDA graphs on a GPU): part 1's runs
-   again with the target compiled, against eager plain decoding; then on the 1.5B shape the seconds compiling took,
-   the cost curve of compiled passes beside eager ones, plain decoding compiled against eager, ``generate`` and
-   ``generate`` on a static cache compiled by itself (the bench's ``hf-static``), and a Qwen2.5-0.5B-shaped draft's
-   one-token pass eager and compiled (what a draft step could cost).
+   again with the target, the draft model and the EAGLE head compiled, against eager plain decoding; then on the
+   1.5B shape the seconds compiling took, the cost curve of compiled passes beside eager ones, plain decoding
+   compiled against eager, ``generate`` and ``generate`` on a static cache compiled by itself (the bench's
+   ``hf-static``), a Qwen2.5-0.5B-shaped draft's one-token pass eager and compiled (what a draft step could cost)
+   and an EAGLE head's 4-row tree step eager and compiled.
 
     python tests/gpu_check.py [--device cuda] [--json FILE] [--quick] [--skip-exactness] [--skip-compiled]
 
@@ -39,7 +40,10 @@ from test_eagle import random_head  # noqa: E402
 from test_medusa import random_heads  # noqa: E402
 from tiny import VOCAB, llama, qwen2, reference_greedy  # noqa: E402
 
+from specdemo.backends.eagle3_head import EagleConfig, EagleHead, HeadKVCache  # noqa: E402
+from specdemo.backends.eagle3_static import StaticHeadCache  # noqa: E402
 from specdemo.backends.loading import LoadedModel, LoadSettings  # noqa: E402
+from specdemo.backends.passes import EAGER, Passes  # noqa: E402
 from specdemo.backends.static_lm import PASS_SIZES, StaticLM  # noqa: E402
 from specdemo.backends.transformers_lm import CachedLM  # noqa: E402
 from specdemo.core.loop import collect, plain_decode, speculative_decode  # noqa: E402
@@ -56,16 +60,19 @@ GREEDY = SamplingSettings()
 PROMPTS = [[5, 7, 9, 11, 5, 7, 9, 3, 2, 1], [1], [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]]
 
 
-def _drafters(target, small, head, heads):
+def _drafters(target, small, head, heads, passes: Passes = EAGER):
+    """Each mode's drafter; ``passes``: how the draft model's passes and the EAGLE head's steps run (compiled with
+    the target's in part 4)."""
     embed = target.get_input_embeddings()
     lm_head = target.get_output_embeddings().weight
+    room = {"passes": passes, "max_new_tokens": 24}
     return {
-        "draft": lambda: DraftModelDrafter(small, GREEDY, VOCAB, int8=False),
+        "draft": lambda: DraftModelDrafter(small, GREEDY, VOCAB, int8=False, **room),
         "ngram": lambda: NgramDrafter(1, 3),
         "medusa": lambda: MedusaDrafter(heads, lm_head, GREEDY, VOCAB, tree=True),
-        "eagle-chain": lambda: EagleDrafter(head, embed, GREEDY, VOCAB, tree=False),
-        "eagle-tree": lambda: EagleDrafter(head, embed, GREEDY, VOCAB, tree=True),
-        "eagle": lambda: EagleDrafter(head, embed, GREEDY, VOCAB, tree=True, lookup=LookupBranch()),
+        "eagle-chain": lambda: EagleDrafter(head, embed, GREEDY, VOCAB, tree=False, **room),
+        "eagle-tree": lambda: EagleDrafter(head, embed, GREEDY, VOCAB, tree=True, **room),
+        "eagle": lambda: EagleDrafter(head, embed, GREEDY, VOCAB, tree=True, lookup=LookupBranch(), **room),
     }
 
 
@@ -109,7 +116,7 @@ def exactness(device: torch.device, quick: bool, compiled: bool = False) -> list
                                  "mode": "plain", "k": 0, "identical": ids == expected, "accepted": 0, "drafted": 0,
                                  **({"divergence": _divergence(target, prompt, expected, ids)}
                                     if ids != expected else {})})
-                for mode, make in _drafters(target, small, head, heads).items():
+                for mode, make in _drafters(target, small, head, heads, Passes(mode_of) if compiled else EAGER).items():
                     for k in lengths:
                         final = collect(speculative_decode(target_lm("spec"), make(), FixedDraftLength(k), prompt,
                                                            settings))
@@ -196,7 +203,35 @@ def compiled_speed(device: torch.device, quick: bool) -> dict:
         "compiled": _pass_seconds(lambda: StaticLM(draft, 300 + 128, mode, "draft"), prompt, 1, repeats, device)
         * 1000,
     }
+    result["eagle_head_4_row_step_ms"] = _head_step_ms(device, mode, repeats)
     return result
+
+
+def _head_step_ms(device: torch.device, mode: str, repeats: int) -> dict:
+    """An EAGLE-3 head for the 1.5B shape (random weights, bfloat16, a 32,000-token draft vocabulary): one tree
+    step over 4 rows after 300 committed positions, its LM head included, eager and compiled (CUDA-event medians)."""
+    config = EagleConfig(1536, 12, 2, 128, 8960, 151936, 32000, (2, 14, 25))
+    torch.manual_seed(0)
+    head = EagleHead(config).to(device, torch.bfloat16).eval()
+    rows = torch.randn(300, 1536, device=device, dtype=torch.bfloat16)
+    visible = torch.ones(4, 304, dtype=torch.bool, device=device)
+    timings = {}
+    for name, make in (("eager", HeadKVCache), ("compiled", lambda: StaticHeadCache(head, 300 + 128, mode))):
+        cache, times = make(), []
+        with torch.inference_mode():
+            cache.step(head, rows, rows, torch.arange(300, device=device))
+            for repeat in range(repeats + 3):
+                cache.crop(300)
+                torch.cuda.synchronize(device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                cache.step(head, rows[:4], rows[:4], torch.full((4,), 300, device=device), visible)
+                end.record()
+                torch.cuda.synchronize(device)
+                if repeat >= 3:
+                    times.append(start.elapsed_time(end))
+        timings[name] = sorted(times)[len(times) // 2]
+    return timings
 
 
 def _decoding_both_ways(model, prompt: torch.Tensor, mode: str, repeats: int) -> dict:
@@ -373,6 +408,8 @@ def _compiled_part(report: dict, device: torch.device, quick: bool, skip_exactne
                                       for name, row in speed["decoding"].items()))
     draft = speed["draft_0.5b_one_token_ms"]
     print(f"0.5B-shaped draft, one token: eager {draft['eager']:.2f} ms, compiled {draft['compiled']:.2f} ms")
+    head = speed["eagle_head_4_row_step_ms"]
+    print(f"EAGLE head, a 4-row tree step: eager {head['eager']:.2f} ms, compiled {head['compiled']:.2f} ms")
 
 
 if __name__ == "__main__":

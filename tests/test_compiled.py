@@ -237,19 +237,21 @@ def test_an_eagle_head_steps_alike_on_its_static_cache(compile_mode):
     runs = []
     for cache in (HeadKVCache(), StaticHeadCache(head, 100, compile_mode)):
         with torch.inference_mode():
-            catch_up = cache.step(head, features[:7], embeds[:7], torch.arange(7))
+            catch_up = cache.step(head, features[:7], embeds[:7], torch.arange(7), all_logits=False)
             step = cache.step(head, features[7:11], embeds[7:11], torch.tensor([7, 8, 8, 7]), visible)
             cache.crop(7)
             chain = cache.step(head, features[11:], embeds[11:], torch.tensor([7]))
-        assert cache.length == 8
-        runs.append((catch_up, step, chain))
+            catch_up_short = cache.step(head, features[:3], embeds[:3], torch.arange(8, 11), all_logits=False)
+        assert cache.length == 11
+        runs.append((*catch_up, *step, *chain, *catch_up_short))
     for growing, static in zip(*runs):
+        assert static.shape == growing.shape
         torch.testing.assert_close(static, growing, rtol=1e-4, atol=1e-5)
     if compile_mode:
         target = _loaded(llama(1))
         warmed = compile_graphs(choose_passes("on", target), target, {True}, max_rows=4, max_tokens=100,
                                 drafting=[head])
-        assert warmed.compiled["EAGLE head"] == [1, 2]
+        assert warmed.compiled["EAGLE head"] == [1, 2, 3, 5]
         assert isinstance(EAGER.head_cache(head, 50), HeadKVCache)
 
 

@@ -137,10 +137,12 @@ class HeadKVCache:
 
     def step(
         self, head: "EagleHead", features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
-        visible: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``head`` over these rows after the cached ones (see :meth:`EagleHead.forward`), extending this cache."""
-        return head(features, embeds, positions, self, visible)
+        visible: torch.Tensor | None = None, all_logits: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``head`` over these rows after the cached ones (see :meth:`EagleHead.forward`), extending this cache: its
+        outputs [n, H] and its scores over the draft vocabulary (every row's, else the last row's)."""
+        outputs = head(features, embeds, positions, self, visible)
+        return outputs, head.logits(outputs if all_logits else outputs[-1:])
 
 
 def _rotate_half(states: torch.Tensor) -> torch.Tensor:

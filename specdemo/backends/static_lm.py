@@ -115,7 +115,7 @@ def _model_pass(
     return logits, out.hidden_states if with_hidden else None
 
 
-_COMPILED: dict[tuple[Callable, str], Callable] = {}
+_COMPILED: dict[tuple[Callable, str, bool], Callable] = {}
 
 
 def _frozen(compiled: Callable) -> Callable:
@@ -134,9 +134,10 @@ def compiled_pass(mode: str) -> Callable:
     return compiled(_model_pass, mode)
 
 
-def compiled(function: Callable, mode: str) -> Callable:
+def compiled(function: Callable, mode: str, dynamic: bool = True) -> Callable:
     """``function`` (a pass of a module) compiled with ``mode``, once per function, mode and process; the graphs
-    themselves are made on first use of each shape.
+    themselves are made on first use of each shape (``dynamic``: with inductor, one graph for one row and one for
+    more, else one per row count).
 
     ``"reduce-overhead"`` (:data:`CUDA_GRAPHS`): CUDA graphs, one per padded pass size. ``"default"``
     (:data:`INDUCTOR`, on a CPU): inductor with the weights frozen into the graph, with dynamic shapes (one graph for
@@ -146,11 +147,11 @@ def compiled(function: Callable, mode: str) -> Callable:
     frozen graph holds its own packed copy of the weights, hence dynamic shapes: two graphs, two copies, not one per
     pass size. Freezing is a process-wide setting of inductor's, read while a call traces and compiles: it is on
     only around these calls (``generate``'s own compilation, the bench's ``hf-static``, stays stock)."""
-    key = (function, mode)
+    key = (function, mode, dynamic)
     if key not in _COMPILED:
         _raise_dynamo_limits()
         if mode == INDUCTOR:
-            _COMPILED[key] = _frozen(torch.compile(function, dynamic=True))
+            _COMPILED[key] = _frozen(torch.compile(function, dynamic=dynamic))
         else:
             _COMPILED[key] = torch.compile(function, mode=mode, dynamic=False)
     return _COMPILED[key]

@@ -147,9 +147,10 @@ class EagleDrafter:
         started = now(self.device)
         tokens = context[self._committed + 1 : self._committed + count + 1]
         features = self.head.features(self._pending)
-        outputs = self._cache.step(self.head, features, self._embed(tokens), self._positions(self._committed, count))
+        outputs, logits = self._cache.step(self.head, features, self._embed(tokens),
+                                           self._positions(self._committed, count), all_logits=False)
         self._committed += count
-        self._root = (outputs[-1], self.head.logits(outputs[-1:])[0])
+        self._root = (outputs[-1], logits[0])
         self._pending = None
         plain, self._pending_plain = self._pending_plain, 0
         return now(self.device) - started if plain else 0.0
@@ -232,12 +233,13 @@ class EagleDrafter:
                     ancestor = parents[ancestor]
                 visible[row, base + done + row] = True
             features = torch.stack([root_output if parents[n] < 0 else outputs[run_at[parents[n]]] for n in frontier])
-            stepped = self._cache.step(self.head, features, self._embed([tokens[n] for n in frontier]),
-                                       self._positions(base + step, 1).expand(len(frontier)), visible.to(self.device))
+            stepped, logits = self._cache.step(self.head, features, self._embed([tokens[n] for n in frontier]),
+                                               self._positions(base + step, 1).expand(len(frontier)),
+                                               visible.to(self.device))
             for row, node in enumerate(frontier):
                 run_at[node] = done + row
                 outputs.append(stepped[row])
-            top = self.head.logits(stepped).float().log_softmax(-1).topk(self.top_k, dim=-1)
+            top = logits.float().log_softmax(-1).topk(self.top_k, dim=-1)
             children_ids, children_scores = draft_ids[top.indices].tolist(), top.values.tolist()
             children = []
             for row, node in enumerate(frontier):
@@ -267,9 +269,9 @@ class EagleDrafter:
             rows.append(to_target_vocab(probs, self.head.draft_ids, self.target_vocab_size))
             if step + 1 == num_draft_tokens:
                 break
-            stepped = self._cache.step(self.head, output.view(1, -1), self._embed(tokens[-1:]),
-                                       self._positions(self._committed + step, 1))
-            output, logits = stepped[0], self.head.logits(stepped)[0]
+            stepped, scores = self._cache.step(self.head, output.view(1, -1), self._embed(tokens[-1:]),
+                                               self._positions(self._committed + step, 1))
+            output, logits = stepped[0], scores[0]
         return tokens, torch.stack(rows)
 
     def _step_may_pay(self, scores: list[float], frontier: list[int], num_draft_tokens: int, spent: float) -> bool:

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..backends.eagle3_head import EagleHead
-from ..backends.eagle3_static import MAX_COMPILED_ROWS, StaticHeadCache
+from ..backends.eagle3_static import COMPILED_ROWS, StaticHeadCache
 from ..backends.formats import is_int8_format
 from ..backends.loading import LoadedModel
 from ..backends.passes import EAGER, PLAIN_ROLE, SPEC_ROLE, Passes
@@ -322,12 +322,12 @@ def _run_every_draft_size(model: PreTrainedModel, passes: Passes, max_tokens: in
 
 
 def _run_every_head_size(head: EagleHead, passes: Passes, max_tokens: int) -> list[int]:
-    """The steps an EAGLE head meets in a race, once each: every row count it compiles (a tree's frontier, a chain's
-    one token, a short catch-up); returns the sizes compiled (none where the head stays eager)."""
+    """The steps an EAGLE head meets in a race, once each: every row count it compiles (a chain's one token, a
+    tree's frontier, a short catch-up); returns the sizes compiled (none where the head stays eager)."""
     cache = passes.head_cache(head, max_tokens)
     if not isinstance(cache, StaticHeadCache) or cache.compile_mode is None:
         return []
-    sizes = list(range(1, MAX_COMPILED_ROWS + 1)) if cache.compile_mode != INDUCTOR else [1, 2]
+    sizes = list(COMPILED_ROWS)
     width = head.config.hidden_size
     with torch.inference_mode():
         for size in sizes:
