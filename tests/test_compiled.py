@@ -18,6 +18,7 @@ from specdemo.backends import static_lm
 from specdemo.backends.eagle3_head import EagleConfig, EagleHead, HeadKVCache
 from specdemo.backends.eagle3_static import StaticHeadCache
 from specdemo.backends.formats import to_int8_format
+from specdemo.backends.medusa_heads import MedusaConfig, MedusaHeads
 from specdemo.backends.loading import LoadedModel, LoadSettings, clear_model_cache
 from specdemo.backends.static_lm import PASS_SIZES, GraphBudget, StaticLM, capacity_for, pass_size
 from specdemo.backends.transformers_lm import CachedLM
@@ -253,6 +254,18 @@ def test_an_eagle_head_steps_alike_on_its_static_cache(compile_mode):
                                 drafting=[head])
         assert warmed.compiled["EAGLE head"] == [1, 2, 3, 5]
         assert isinstance(EAGER.head_cache(head, 50), HeadKVCache)
+
+
+def test_medusa_heads_score_alike_compiled():
+    heads = MedusaHeads(MedusaConfig(3, 1, 32, VOCAB)).eval()
+    hidden, weight = torch.randn(1, 32), torch.randn(VOCAB, 32)
+    with torch.inference_mode():
+        eager = heads.scores(EAGER.medusa_features(heads)(hidden), weight)
+        compiled = heads.scores(COMPILED.medusa_features(heads)(hidden), weight)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    target = _loaded(llama(1))
+    warmed = compile_graphs(choose_passes("on", target), target, {True}, max_rows=2, max_tokens=50, drafting=[heads])
+    assert warmed.compiled["Medusa heads"] == [1]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -115,4 +115,4 @@ def test_a_mode_that_needs_a_draft_model_refuses_to_run_without_one():
 
 def test_build_context_carries_what_a_drafter_may_use():
     assert [f.name for f in dataclasses.fields(BuildContext)] == ["target", "draft", "settings", "options", "policy",
-                                                            "memory", "clock"]
+                                                            "memory", "clock", "passes"]

@@ -78,7 +78,12 @@ class MedusaHeads(nn.Module):
         self, hidden: torch.Tensor, shared_weight: torch.Tensor | None, token_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """[K, n, V'] logits; V' = len(token_ids) when given (rows of the vocabulary), else the whole vocabulary."""
-        features = self.features(hidden)
+        return self.scores(self.features(hidden), shared_weight, token_ids)
+
+    def scores(
+        self, features: torch.Tensor, shared_weight: torch.Tensor | None, token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The logits (see :meth:`logits`) of the heads' ``features`` [K, n, H]."""
         if self.lm_heads is not None:
             rows = [head(features[k]) for k, head in enumerate(self.lm_heads)]
             stacked = torch.stack(rows)

@@ -6,8 +6,10 @@ model's passes and an EAGLE head's steps, so a drafter never decides on its own 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from functools import partial
+from typing import Callable, Sequence
 
+import torch
 from transformers import PreTrainedModel
 
 from ..core.protocol import LanguageModel
@@ -17,7 +19,8 @@ from .eagle3_static import StaticHeadCache
 from .formats import W8A8Linear, is_int8_format
 from .int8 import is_int8_copy
 from .loading import LoadedModel
-from .static_lm import StaticLM, supports_static_cache
+from .medusa_heads import MedusaHeads
+from .static_lm import GRAPHS, StaticLM, compiled, supports_static_cache
 from .transformers_lm import CachedLM
 
 #: the roles of a target's sequences in a race (each keeps its own static buffers and graphs), and a draft model's
@@ -60,7 +63,26 @@ class Passes:
         return StaticHeadCache(head, max_tokens, self.compile_mode)
 
 
+    def medusa_features(self, heads: MedusaHeads) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Medusa heads' features of one hidden state [1, H] -> [K, 1, H] (their residual blocks, the part of a
+        round's drafting whose shape never changes): as the target's passes run, one graph when compiled."""
+        if self.compile_mode is None:
+            return heads.features
+        return partial(_compiled_features, heads, self.compile_mode)
+
+
 EAGER = Passes()
+
+
+def _features(heads: MedusaHeads, hidden: torch.Tensor) -> torch.Tensor:
+    return heads.features(hidden)
+
+
+def _compiled_features(heads: MedusaHeads, mode: str, hidden: torch.Tensor) -> torch.Tensor:
+    """``heads.features(hidden)`` compiled (static shapes) while the graph bound allows, else eager."""
+    if not GRAPHS.admit(("medusa heads", id(heads), tuple(hidden.shape), mode)):
+        return heads.features(hidden)
+    return compiled(_features, mode, dynamic=False)(heads, hidden)
 
 
 def why_not_draft(model: PreTrainedModel) -> str | None:

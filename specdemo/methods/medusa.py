@@ -15,6 +15,7 @@ from ..backends.formats import output_weight
 from ..backends.loading import LoadedModel
 from ..backends.medusa_checkpoint import heads_for
 from ..backends.medusa_heads import MedusaHeads
+from ..backends.passes import EAGER, Passes
 from ..core.acceptance import target_distribution
 from ..core.clock import now
 from ..core.protocol import DraftLengthPolicy, Proposal, RoundResult, TargetPass
@@ -64,10 +65,12 @@ class MedusaDrafter:
         head_tokens: int | None = None,
         generator: torch.Generator | None = None,
         verify_cost: Callable[[int], float] | None = None,
+        passes: Passes = EAGER,
     ) -> None:
         if tree and not sampling.greedy:
             raise ValueError("a Medusa tree is verified greedily only; sampled runs use the chain")
         self.heads = heads
+        self._features = passes.medusa_features(heads)
         self.lm_head_weight = lm_head_weight
         self.sampling = sampling
         self.target_vocab_size = target_vocab_size
@@ -107,10 +110,10 @@ class MedusaDrafter:
     @torch.inference_mode()
     def _head_logits(self) -> torch.Tensor:
         assert self._hidden is not None
-        hidden = self._hidden.view(1, -1)
+        features = self._features(self._hidden.view(1, -1))
         if self._weight is not None:
-            return self.heads.logits(hidden, self._weight)[:, 0]
-        return self.heads.logits(hidden, None, self._token_ids)[:, 0]
+            return self.heads.scores(features, self._weight)[:, 0]
+        return self.heads.scores(features, None, self._token_ids)[:, 0]
 
     def _vocab_id(self, index: torch.Tensor) -> torch.Tensor:
         return index if self._token_ids is None else self._token_ids[index]
@@ -178,6 +181,7 @@ def _build(context: BuildContext, tree: bool) -> MedusaDrafter:
         tree=tree,
         generator=drafter_generator(settings.sampling.seed, target.device),
         verify_cost=tree_verify_cost(policy, tree),
+        passes=context.passes,
     )
 
 
@@ -197,6 +201,7 @@ METHODS = (
         needs_hidden_states=True,
         check=_check,
         make_policy=lambda context: _policy(context, tree=True),
+        drafting_model=lambda target, draft, options: heads_for(target, options.medusa_heads),
     ),
     Method(
         name="medusa-chain",
@@ -207,5 +212,6 @@ METHODS = (
         needs_hidden_states=True,
         check=_check,
         make_policy=lambda context: _policy(context, tree=False),
+        drafting_model=lambda target, draft, options: heads_for(target, options.medusa_heads),
     ),
 )

@@ -28,6 +28,7 @@ from ..backends.eagle3_head import EagleHead
 from ..backends.eagle3_static import COMPILED_ROWS, StaticHeadCache
 from ..backends.formats import is_int8_format
 from ..backends.loading import LoadedModel
+from ..backends.medusa_heads import MedusaHeads
 from ..backends.passes import EAGER, PLAIN_ROLE, SPEC_ROLE, Passes
 from ..backends.static_lm import (
     CUDA_GRAPHS,
@@ -274,6 +275,9 @@ def compile_graphs(
                 head_sizes = _run_every_head_size(model, outcome.passes, max_tokens)
                 if head_sizes:
                     compiled["EAGLE head"] = head_sizes
+            elif isinstance(model, MedusaHeads):
+                _run_medusa_features(model, outcome.passes)
+                compiled["Medusa heads"] = [1]
             elif isinstance(model, PreTrainedModel):
                 draft_sizes = _run_every_draft_size(model, outcome.passes, max_tokens)
                 if draft_sizes:
@@ -336,3 +340,11 @@ def _run_every_head_size(head: EagleHead, passes: Passes, max_tokens: int) -> li
             cache.step(head, rows, rows, torch.arange(size, device=head.device))
         cache.crop(0)
     return sizes
+
+
+def _run_medusa_features(heads: MedusaHeads, passes: Passes) -> None:
+    """The heads' one compiled step (their features of one hidden state)."""
+    parameter = next(heads.parameters())
+    with torch.inference_mode():
+        passes.medusa_features(heads)(torch.zeros(1, heads.config.hidden_size, dtype=parameter.dtype,
+                                                  device=parameter.device))
