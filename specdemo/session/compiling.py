@@ -71,8 +71,8 @@ class CompileOutcome:
         """One line for a header or a page: compiled or eager, why, and how long compiling took."""
         if not self.compiled_passes:
             return f"eager passes (--compile {self.choice}): {self.reason}"
-        sizes = sorted({size for sizes in self.compiled.values() for size in sizes})
-        timing = f", {self.seconds:.1f} s to compile {len(sizes)} pass sizes" if self.compiled else ""
+        parts = "; ".join(f"{part}: {', '.join(map(str, sizes))}" for part, sizes in self.compiled.items())
+        timing = f", {self.seconds:.1f} s compiling the rows of each pass ({parts})" if self.compiled else ""
         return f"compiled passes ({self.passes.compile_mode}, --compile {self.choice}): {self.reason}{timing}"
 
     def as_record(self) -> dict:
