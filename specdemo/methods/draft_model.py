@@ -88,13 +88,12 @@ class DraftModelDrafter:
         self.passes = passes
         self.max_new_tokens = max_new_tokens
         self.lm = EAGER.draft_language_model(drafting, 0)  # each sequence gets its own in start()
-        model = drafting
         self.sampling = sampling
         self.target_vocab_size = target_vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.confidence_stop = confidence_stop
         self.generator = generator
-        head = model.get_output_embeddings()
+        head = drafting.get_output_embeddings()
         self._head = head if isinstance(head, torch.nn.Linear) else None
         draft_vocab = self._head.weight.shape[0] if self._head is not None else target_vocab_size
         self.head_tokens = _auto_head_tokens(draft_vocab) if head_tokens is None else head_tokens
