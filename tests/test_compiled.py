@@ -76,6 +76,14 @@ def test_a_static_pass_equals_a_cached_one_for_chains_trees_kept_rows_and_hidden
             torch.testing.assert_close(static.hidden_states, cached.hidden_states, rtol=1e-4, atol=1e-5)
 
 
+def test_outputs_of_cuda_graphs_are_copied_out_before_the_next_replay_overwrites_them():
+    logits, states = torch.ones(2, 3), (torch.zeros(1, 4), torch.ones(1, 4))
+    copied = static_lm.kept((logits, states), static_lm.CUDA_GRAPHS)
+    assert copied[0] is not logits and all(new is not old for new, old in zip(copied[1], states))
+    torch.testing.assert_close(copied[0], logits)
+    assert static_lm.kept(logits, static_lm.INDUCTOR) is logits and static_lm.kept(None, static_lm.CUDA_GRAPHS) is None
+
+
 def test_a_pass_that_does_not_fit_the_buffer_is_refused_and_the_sequence_kept():
     model = llama(1).eval()
     lm = StaticLM(model, 10)

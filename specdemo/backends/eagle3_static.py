@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from .eagle3_head import EagleHead
-from .static_lm import GRAPHS, INDUCTOR, capacity_for, compiled
+from .static_lm import GRAPHS, INDUCTOR, capacity_for, compiled, kept
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +113,8 @@ class StaticHeadCache:
             outputs = head(features, embeds, positions, writer, mask)
             logits = head.logits(outputs if all_logits else outputs[-1:])
         else:
-            outputs, logits = run(head, _padded(features, rows), _padded(embeds, rows), _padded(positions, rows),
-                                  slots, mask, self._buffers.keys, self._buffers.values)
+            outputs, logits = kept(run(head, _padded(features, rows), _padded(embeds, rows), _padded(positions, rows),
+                                       slots, mask, self._buffers.keys, self._buffers.values), self.compile_mode)
             outputs, logits = outputs[:count], logits[:count] if all_logits else logits[count - 1 : count]
         self.length += count
         return outputs, logits

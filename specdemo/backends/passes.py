@@ -20,7 +20,7 @@ from .formats import W8A8Linear, is_int8_format
 from .int8 import is_int8_copy
 from .loading import LoadedModel
 from .medusa_heads import MedusaHeads
-from .static_lm import GRAPHS, StaticLM, compiled, supports_static_cache
+from .static_lm import GRAPHS, StaticLM, compiled, kept, supports_static_cache
 from .transformers_lm import CachedLM
 
 #: the roles of a target's sequences in a race (each keeps its own static buffers and graphs), and a draft model's
@@ -82,7 +82,7 @@ def _compiled_features(heads: MedusaHeads, mode: str, hidden: torch.Tensor) -> t
     """``heads.features(hidden)`` compiled (static shapes) while the graph bound allows, else eager."""
     if not GRAPHS.admit(("medusa heads", id(heads), tuple(hidden.shape), mode)):
         return heads.features(hidden)
-    return compiled(_features, mode, dynamic=False)(heads, hidden)
+    return kept(compiled(_features, mode, dynamic=False)(heads, hidden), mode)
 
 
 def why_not_draft(model: PreTrainedModel) -> str | None:

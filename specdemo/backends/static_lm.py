@@ -157,6 +157,17 @@ def compiled(function: Callable, mode: str, dynamic: bool = True) -> Callable:
     return _COMPILED[key]
 
 
+def kept(outputs: Any, mode: str | None) -> Any:
+    """A compiled call's outputs (a tensor, a tuple of them, or None) as the caller may keep them: under CUDA graphs
+    they live in the graph's memory pool and the next replay of that graph overwrites them (torch then refuses to
+    read them), so they are copied out; inductor's outputs on a CPU are the caller's already."""
+    if mode != CUDA_GRAPHS or outputs is None:
+        return outputs
+    if isinstance(outputs, tuple):
+        return tuple(kept(item, mode) for item in outputs)
+    return outputs.clone()
+
+
 def forget_compiled() -> None:
     """Drop every compiled graph (models were freed: their graphs must not keep them, nor count against the bound)."""
     if GRAPHS.made:
@@ -303,6 +314,8 @@ class StaticLM:
         outputs, states = step(module, padded.view(1, -1), positions.view(1, -1), mask, self.cache, keyword,
                                graph_hidden, extra)
         states = states if with_hidden else None
+        if step is not _model_pass:
+            outputs, states = kept(outputs, self.compile_mode), kept(states, self.compile_mode)
         if self.compile_mode == INDUCTOR:
             _unmark_static(self.cache)
         self._advance(count, rows)
