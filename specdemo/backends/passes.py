@@ -1,6 +1,7 @@
 """How a run's passes run: eagerly on growing caches, or on static caches, compiled (``--compile``; the choice is
 made in :mod:`specdemo.session.compiling`). One :class:`Passes` serves a whole race: the target's two sides, a draft
-model's passes and an EAGLE head's steps, so a drafter never decides on its own whether it compiles.
+model's passes, an EAGLE head's steps and Medusa heads' features, so a drafter never decides on its own whether it
+compiles.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ from torch import nn
 
 from ..backends.eagle3_checkpoint import head_for
 from ..backends.eagle3_head import EagleHead
-from ..backends.passes import EAGER, Passes
 from ..backends.formats import output_rows
 from ..backends.loading import LoadedModel
+from ..backends.passes import EAGER, Passes
 from ..core.acceptance import target_distribution
 from ..core.clock import now
 from ..core.errors import InputError
