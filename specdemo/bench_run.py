@@ -222,10 +222,11 @@ class BenchRun:
             print(f"{variant or 'passes'}: {outcome.describe()}", flush=True)
 
     def _drafting_models(self, modes: list[str]) -> list[Any]:
-        """The draft models and heads ``modes`` run through the run's passes."""
+        """The draft models and heads ``modes`` run through the run's passes, each once (eagle and eagle-chain share
+        their head)."""
         found = (drafting_model_of(replace(self.spec, mode=mode), self.target,
                                    mode_draft(mode, self.draft, self.uag_draft)) for mode in modes)
-        return [model for model in found if model is not None]
+        return list({id(model): model for model in found if model is not None}.values())
 
     def warm(self, prompt_ids: list[int]) -> None:
         """The session's warm-up (the app's and the recorder's too) for the engine's modes, generate() for the

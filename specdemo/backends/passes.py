@@ -17,7 +17,7 @@ from ..core.protocol import LanguageModel
 from ..core.settings import GenerationSettings
 from .eagle3_head import EagleHead, HeadKVCache
 from .eagle3_static import StaticHeadCache
-from .formats import W8A8Linear, is_int8_format
+from .formats import W8A8, is_int8_format
 from .int8 import is_int8_copy
 from .loading import LoadedModel
 from .medusa_heads import MedusaHeads
@@ -50,8 +50,8 @@ class Passes:
         return StaticLM(target.model, len(prompt_ids) + settings.max_new_tokens, self.compile_mode, role)
 
     def draft_language_model(self, model: PreTrainedModel, max_tokens: int) -> CachedLM | StaticLM:
-        """A draft model's sequence of at most ``max_tokens``: as the target's passes run, except that a draft in a format the compiler cannot trace (an int8 copy, say)
-        or without a static cache stays eager."""
+        """A draft model's sequence of at most ``max_tokens``: as the target's passes run, except that a draft in a
+        format the compiler cannot trace (an int8 copy, say) or without a static cache stays eager."""
         if self.eager or why_not_draft(model):
             return CachedLM(model)
         return StaticLM(model, max_tokens, self.compile_mode, DRAFT_ROLE)
@@ -59,10 +59,9 @@ class Passes:
     def head_cache(self, head: EagleHead, max_tokens: int) -> HeadKVCache | StaticHeadCache:
         """An EAGLE head's cache for a sequence of at most ``max_tokens``: its steps as the target's passes run,
         except that a head in w8a8 (integer kernels the compiler cannot trace) stays eager."""
-        if self.eager or isinstance(head.fc, W8A8Linear):
+        if self.eager or head.number_format == W8A8:
             return HeadKVCache()
         return StaticHeadCache(head, max_tokens, self.compile_mode)
-
 
     def medusa_features(self, heads: MedusaHeads) -> Callable[[torch.Tensor], torch.Tensor]:
         """Medusa heads' features of one hidden state [1, H] -> [K, 1, H] (their residual blocks, the part of a
