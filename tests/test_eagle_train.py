@@ -410,6 +410,38 @@ def test_prompt_lookup_is_scored_where_the_head_is_and_follows_its_last_right_co
     assert lookup_hits.tolist() == [True, True, True, True, False]  # 2 never occurred before
 
 
+def test_a_split_maps_its_shards_and_batches_as_the_same_split_in_memory(tmp_path):
+    from specdemo.training.eagle_unrolled import StateRows
+
+    torch.manual_seed(0)
+    sequences = []
+    for length, start in ((7, 3), (5, 2), (9, 4)):
+        ids = torch.randint(0, 300, (length,), dtype=torch.int32)
+        sequences.append({"ids": ids, "greedy": torch.cat([ids[1:], torch.tensor([2], dtype=torch.int32)]),
+                          "states": torch.randn(length, 12).to(torch.bfloat16), "answer_start": start})
+
+    def combine(rows: list[dict]) -> dict:
+        return {"ids": torch.cat([r["ids"] for r in rows]), "greedy": torch.cat([r["greedy"] for r in rows]),
+                "states": torch.cat([r["states"] for r in rows]),
+                "lengths": torch.tensor([len(r["ids"]) for r in rows]),
+                "answer_starts": torch.tensor([r["answer_start"] for r in rows])}
+
+    torch.save(combine(sequences[:2]), tmp_path / "train_0000.pt")  # two shards, sequences whole in each
+    torch.save(combine(sequences[2:]), tmp_path / "train_0001.pt")
+    mapped = Split.join([load_split(tmp_path, "train"), load_split(tmp_path, "missing")])
+    whole = combine(sequences)
+    in_memory = Split(whole["ids"], whole["greedy"], whole["states"], whole["lengths"], whole["answer_starts"])
+    assert len(mapped.states.parts) == 2 and len(mapped.states) == 21
+    assert torch.equal(mapped.labels(), in_memory.labels())
+    for members in ([0, 1, 2], [2, 0]):
+        ours, theirs = make_batch(mapped, members, 3), make_batch(in_memory, members, 3)
+        for name in ("mask", "states", "positions", "tokens", "labels", "active"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    with pytest.raises(IndexError):
+        mapped.states[10:14]  # rows of two shards (the first holds 12)
+    assert len(StateRows([])) == 0
+
+
 def test_the_command_line_lists_one_flag_per_setting(capsys):
     from specdemo.training.eagle import main
 

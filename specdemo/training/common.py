@@ -348,12 +348,14 @@ def write_shards(
             partial.rename(final)  # a shard is there whole or not at all
 
 
-def read_shards(folder: Path, name: str) -> list[dict]:
-    """The stored shards of ``name``, in order."""
+def read_shards(folder: Path, name: str, mmap: bool = False) -> list[dict]:
+    """The stored shards of ``name``, in order; with ``mmap`` their tensors are mapped from the files, not read:
+    the pages a run touches are read when touched and the system may drop them again (a cache larger than the
+    memory)."""
     shards = sorted(folder.glob(f"{name}_*.pt"))
     if not shards:
         raise FileNotFoundError(f"no cached {name} shards in {folder}")
-    return [torch.load(path, weights_only=True) for path in shards]
+    return [torch.load(path, weights_only=True, mmap=mmap) for path in shards]
 
 
 # ----------------------------------------------------------------------------------------------------------------

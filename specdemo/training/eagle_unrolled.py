@@ -9,6 +9,7 @@ of its own earlier steps at row i only.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,16 +20,43 @@ from ..backends.eagle3_head import EagleHead
 from .common import read_shards
 
 
+class StateRows:
+    """The cached states of consecutive positions [P, k*H], kept as the shards' own tensors (mapped from the cache's
+    files by :func:`load_split`, so that a corpus larger than the memory trains): rows ``start:stop`` of one shard
+    at a time, which holds every sequence whole."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
+        self.starts = [0]
+        for part in parts:
+            self.starts.append(self.starts[-1] + part.shape[0])
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop, _ = rows.indices(len(self))
+        part = max(bisect.bisect_right(self.starts, start) - 1, 0)
+        if part >= len(self.parts) or stop > self.starts[part + 1]:
+            raise IndexError(f"rows {start}:{stop} are not inside one shard")
+        return self.parts[part][start - self.starts[part] : stop - self.starts[part]]
+
+
 @dataclass
 class Split:
-    """Cached sequences, concatenated: ``ids``, ``greedy`` [P], ``states`` [P, k*H]; sequence s is
-    ``offsets[s] : offsets[s] + lengths[s]``, its answer starting at ``answer_starts[s]``."""
+    """Cached sequences, concatenated: ``ids``, ``greedy`` [P], ``states`` [P, k*H] (a tensor or the shards'
+    :class:`StateRows`); sequence s is ``offsets[s] : offsets[s] + lengths[s]``, its answer starting at
+    ``answer_starts[s]``."""
 
     ids: torch.Tensor
     greedy: torch.Tensor
-    states: torch.Tensor
+    states: StateRows | torch.Tensor
     lengths: torch.Tensor
     answer_starts: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if isinstance(self.states, torch.Tensor):
+            self.states = StateRows([self.states] if len(self.states) else [])
 
     @property
     def offsets(self) -> torch.Tensor:
@@ -46,19 +74,21 @@ class Split:
 
     @staticmethod
     def join(parts: list[Split]) -> Split:
-        parts = [p for p in parts if len(p)] or parts[:1]  # an empty split's states have no width
-        return Split(*(torch.cat([getattr(p, name) for p in parts]) for name in
-                       ("ids", "greedy", "states", "lengths", "answer_starts")))
+        """The sequences of ``parts`` in order (their states' shards listed, not copied)."""
+        return Split(*(torch.cat([getattr(p, name) for p in parts]) for name in ("ids", "greedy")),
+                     StateRows([shard for p in parts for shard in p.states.parts]),
+                     *(torch.cat([getattr(p, name) for p in parts]) for name in ("lengths", "answer_starts")))
 
 
 def load_split(folder: Path, name: str) -> Split:
-    """The cached sequences of ``name`` (none: an empty split)."""
+    """The cached sequences of ``name`` (none: an empty split), their states mapped from the files."""
     if not any(folder.glob(f"{name}_*.pt")):
         empty = torch.zeros(0, dtype=torch.int32)
-        return Split(empty, empty, torch.zeros(0, 0, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.long),
-                     torch.zeros(0, dtype=torch.long))
-    shards = read_shards(folder, name)
-    return Split.join([Split(s["ids"], s["greedy"], s["states"], s["lengths"], s["answer_starts"]) for s in shards])
+        return Split(empty, empty, StateRows([]), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    shards = read_shards(folder, name, mmap=True)
+    return Split(*(torch.cat([s[key] for s in shards]) for key in ("ids", "greedy")),
+                 StateRows([s["states"] for s in shards]),
+                 *(torch.cat([s[key] for s in shards]) for key in ("lengths", "answer_starts")))
 
 
 # ----------------------------------------------------------------------------------------------------------------
