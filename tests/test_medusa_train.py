@@ -119,3 +119,41 @@ def test_the_pools_stored_answers_train_the_heads_instead_of_generated_ones(tmp_
     assert not settings.answers_path().exists()  # nothing generated: the pool's answers were read
     with pytest.raises(ValueError, match="choose one"):
         train(TrainSettings(**{**settings.__dict__, "answers": 4}))
+
+
+def test_one_pass_over_the_pools_answers_serves_both_trainers(tmp_path, monkeypatch):
+    from specdemo.backends.loading import LoadSettings, load_model
+    from specdemo.training import common, eagle, pool
+    from specdemo.training.common import answer_sequences
+    from specdemo.training.medusa import cache_split, load_split
+    from specdemo.training.prompt_pool import PoolPrompt, pool_shards
+
+    monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")
+    target, _ = save_tiny_pair(tmp_path / "pair")
+    folder = tmp_path / "pool"
+    prompts = [PoolPrompt("question", f"man:tool{i}.1", f"What does tool {i} do with files?") for i in range(6)]
+    pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts))
+    assert pool.main(["--target", target, "--dtype", "float32", "--answer-tokens", "24", "--batch", "3", "--folder",
+                      str(folder), "--phases", "answers"]) == 0
+    shared = dict(target=target, dtype="float32", sequences=2, sequence_tokens=256, held_out_sequences=1,
+                  answer_tokens=24, held_out_every=4, pool_answers=6, pool_folder=folder)
+    eagle.train(eagle.TrainSettings(**shared, out=tmp_path / "head", cache_dir=tmp_path / "eagle", answers=0, epochs=1, steps_unrolled=2,
+                                    draft_vocab_size=64, batch_tokens=300, warmup_steps=2))
+    states = sorted((tmp_path / "home" / "pool-states").glob("*/*.pt"))
+    assert len(states) == 2  # train and heldout, one shard each
+    written = {path: path.stat().st_mtime_ns for path in states}
+    settings = TrainSettings(**shared, out=tmp_path / "heads", cache_dir=tmp_path / "medusa", num_heads=2,
+                             head_tokens=0, epochs=1, batch_size=64)
+    report = train(settings)
+    assert {path: path.stat().st_mtime_ns for path in states} == written  # the EAGLE trainer's pass, read again
+    assert len(report["answers"]["held_out_top1_per_head"]) == 2
+    # what the Medusa heads read from the shared shards is what their own pass would have stored
+    loaded = load_model(target, LoadSettings(dtype="float32"))
+    rows = pool.pool_answer_rows(target, "float32", 24, 6, folder)
+    train_seqs, _ = answer_sequences(loaded.tokenizer, rows, settings.corpus_spec())
+    own = tmp_path / "own"
+    cache_split(loaded.model, train_seqs, own, "train", max_heads=2)
+    hidden, labels = load_split(own, "train")
+    shared_hidden, shared_labels = load_split(states[0].parent, "train", shared=True, max_heads=2)
+    assert torch.equal(labels, shared_labels)
+    assert torch.allclose(hidden.float(), shared_hidden.float(), atol=1e-2)

@@ -72,6 +72,8 @@ from .common import (
 from .corpus import chat_prompts, passage_prompts
 from .eagle_cache import AnswerSet, cache_split
 from .pool import answers_name, pool_answer_rows
+from .pool_states import cache_split as cache_shared_states
+from .pool_states import pool_states_folder
 from .prompt_pool import POOL_FOLDER
 from .eagle_unrolled import (
     Batch,
@@ -334,11 +336,11 @@ def answer_sets(settings: TrainSettings, loaded: LoadedModel, spec: CorpusSpec,
         answer_seconds, cache_seconds = answer_seconds + seconds, cache_seconds + cached
     if settings.pool_answers:
         name = settings.pool_answers_name()
-        folder = settings.cache_path() / f"pool-{name}"
-        sets.append(AnswerSet("pool_answers", name, folder, folder / f"shards-{settings.pool_answers}", None,
-                              settings.pool_answers, stored=lambda: pool_answer_rows(
-                                  settings.target, settings.dtype, settings.answer_tokens, settings.pool_answers,
-                                  settings.pool_folder)))
+        folder = pool_states_folder(name, settings.pool_answers, settings.held_out_every, layers)
+        sets.append(AnswerSet("pool_answers", name, folder, folder, None, settings.pool_answers,
+                              stored=lambda: pool_answer_rows(settings.target, settings.dtype, settings.answer_tokens,
+                                                              settings.pool_answers, settings.pool_folder),
+                              cache=cache_shared_states))
         seconds, cached = sets[-1].prepare(loaded, spec, layers)
         answer_seconds, cache_seconds = answer_seconds + seconds, cache_seconds + cached
     return [answer_set for answer_set in sets if answer_set.count], answer_seconds, cache_seconds

@@ -73,6 +73,9 @@ class AnswerSet:
     counts: dict = field(default_factory=dict)
     #: answers stored elsewhere (the prompt pool's), read instead of generated
     stored: Callable[[], list[dict]] | None = None
+    #: how its states are cached: this trainer's own shards, or (the pool's answers) those shared with the Medusa
+    #: trainer (:func:`.pool_states.cache_split`, the same fields and more)
+    cache: Callable[..., None] = cache_split
 
     def prepare(self, loaded, spec, layers: tuple[int, ...]) -> tuple[float, float]:
         """The answers (reused from any trainer's cache or the checkout, else generated) and the cached states
@@ -92,8 +95,8 @@ class AnswerSet:
             return answered - started, 0.0
         learned = self.rows[: self.count]
         train_seqs, held_seqs = answer_sequences(loaded.tokenizer, learned, spec)
-        cache_split(loaded.model, train_seqs, self.shards, "train", layers)
-        cache_split(loaded.model, held_seqs, self.shards, "heldout", layers)
+        self.cache(loaded.model, train_seqs, self.shards, "train", layers)
+        self.cache(loaded.model, held_seqs, self.shards, "heldout", layers)
         self.counts = {"training_sequences": len(train_seqs), "held_out_sequences": len(held_seqs),
                        "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in learned) / max(1, len(learned)),
                                                    1),

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..backends.eagle3_checkpoint import target_facts
+from ..backends.eagle3_head import default_hidden_layers
 from ..backends.medusa_heads import MedusaConfig, MedusaHeads
 from .common import (
     ANSWERS_FILE,
@@ -54,6 +56,8 @@ from .common import (
     write_training_json,
 )
 from .pool import answers_name, pool_answer_rows
+from .pool_states import cache_split as cache_shared_states
+from .pool_states import final_states, pool_states_folder
 from .prompt_pool import POOL_FOLDER
 
 logger = logging.getLogger(__name__)
@@ -88,10 +92,12 @@ class TrainSettings(CorpusSettings):
     pool_folder: Path = POOL_FOLDER
     extra: dict = field(default_factory=dict)
 
-    def answer_folder(self) -> Path:
-        """Where the answers' cached states live: the pool's answers' own folder, else ``--answers``'."""
+    def answer_folder(self, layers: tuple[int, ...]) -> Path:
+        """Where the answers' cached states live: for the pool's answers the folder both trainers share (named by
+        the EAGLE ``layers`` it also holds), else ``--answers``' own."""
         if self.pool_answers:
-            return self.cache_path() / f"pool-{answers_name(self.target, self.dtype, self.answer_tokens)}-{self.pool_answers}"
+            return pool_states_folder(answers_name(self.target, self.dtype, self.answer_tokens), self.pool_answers,
+                                      self.held_out_every, layers)
         return self.answers_path()
 
     def answer_rows(self, loaded, spec) -> list[dict]:
@@ -142,7 +148,12 @@ def cache_split(model, sequences: list[dict], folder: Path, name: str, max_heads
     write_shards(sequences, folder, name, per_sequence, combine, f"caching target states ({name})")
 
 
-def load_split(folder: Path, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def load_split(folder: Path, name: str, shared: bool = False, max_heads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states [P, H] and labels [max_heads + 1, P] of a split: from this trainer's own shards, or
+    (``shared``) from the pool's states shared with the EAGLE trainer (:mod:`.pool_states`)."""
+    if shared:
+        hidden, greedy_per_sequence = final_states(folder, name)
+        return hidden, torch.cat([labels_for(greedy, max_heads + 1) for greedy in greedy_per_sequence], dim=1)
     parts = read_shards(folder, name)
     return torch.cat([p["hidden"] for p in parts]), torch.cat([p["labels"] for p in parts], dim=1)
 
@@ -204,6 +215,7 @@ class Corpus:
     train_seqs: list[dict]
     held_seqs: list[dict]
     answer_counts: dict
+    answer_folder: Path | None
     weight: torch.Tensor
     hidden_size: int
     vocab_size: int
@@ -223,18 +235,23 @@ def cache_corpus(settings: TrainSettings) -> Corpus:
     train_seqs, held_seqs, cache_seconds = code_corpus(loaded.tokenizer, spec, settings.cache_path(), cache)
     answer_seconds = 0.0
     answer_counts: dict = {}
+    answer_folder = None
     if settings.answers or settings.pool_answers:
         answer_started = time.perf_counter()
         answers = settings.answer_rows(loaded, spec)
         answer_seconds = time.perf_counter() - answer_started
         answer_train, answer_held = answer_sequences(loaded.tokenizer, answers, spec)
-        cache_seconds += cache_splits(cache, answer_train, answer_held, settings.answer_folder())
+        layers = default_hidden_layers(target_facts(loaded).num_layers)
+        answer_folder = settings.answer_folder(layers)
+        if settings.pool_answers:  # one pass for both trainers: the shards may be the EAGLE trainer's already
+            cache = partial(cache_shared_states, loaded.model, layers=layers)
+        cache_seconds += cache_splits(cache, answer_train, answer_held, answer_folder)
         answer_counts = {"training_sequences": len(answer_train), "held_out_sequences": len(answer_held),
                          "prompts_per_kind": dict(Counter(row["kind"] for row in answers)),
                          "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in answers) / max(1, len(answers)),
                                                      1)}
     weight = head_weight[: settings.head_tokens] if settings.head_tokens else head_weight
-    corpus = Corpus(train_seqs, held_seqs, answer_counts, weight.float().contiguous(), head_weight.shape[1],
+    corpus = Corpus(train_seqs, held_seqs, answer_counts, answer_folder, weight.float().contiguous(), head_weight.shape[1],
                     head_weight.shape[0], answer_seconds, cache_seconds)
     del loaded, head_weight, weight, cache
     clear_model_cache()
@@ -254,18 +271,21 @@ class States:
     code_positions: int
 
 
-def load_states(settings: TrainSettings, answer_counts: dict) -> States:
-    """The cached states of the corpus and, with ``--answers``, of the answers (their positions counted in
-    ``answer_counts``)."""
+def load_states(settings: TrainSettings, corpus: Corpus) -> States:
+    """The cached states of the corpus and, with ``--answers`` or ``--pool-answers``, of the answers (their
+    positions counted in ``corpus.answer_counts``)."""
+    answer_counts = corpus.answer_counts
     folder = settings.cache_path()
     hidden, labels = load_split(folder, "train")
     held = load_split(folder, "heldout")
     code_positions = int(hidden.shape[0])
     answers_held = None
-    if settings.answers or settings.pool_answers:
-        answer_hidden, answer_labels = load_split(settings.answer_folder(), "train")
+    if corpus.answer_folder is not None:
+        answers = partial(load_split, corpus.answer_folder, shared=bool(settings.pool_answers),
+                          max_heads=settings.num_heads)
+        answer_hidden, answer_labels = answers("train")
         hidden, labels = torch.cat([hidden, answer_hidden]), torch.cat([labels, answer_labels], dim=1)
-        answers_held = load_split(settings.answer_folder(), "heldout")
+        answers_held = answers("heldout")
         answer_counts["training_positions"] = int(answer_hidden.shape[0])
         answer_counts["held_out_positions"] = int(answers_held[0].shape[0])
         del answer_hidden, answer_labels
@@ -392,7 +412,7 @@ def train(settings: TrainSettings) -> dict:
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
     corpus = cache_corpus(settings)
-    states = load_states(settings, corpus.answer_counts)
+    states = load_states(settings, corpus)
     run = prepare_heads(settings, corpus, states)
     train_epochs(settings, run, states)
     return ship(settings, corpus, states, run, started)
