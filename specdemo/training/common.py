@@ -307,7 +307,8 @@ def answer_sequences(tokenizer, answers: list[dict], spec: CorpusSpec) -> tuple[
             continue
         header = chat_header(tokenizer, row["prompt"])
         bucket = held if row["index"] % spec.held_out_every == 0 else train
-        bucket.append({"ids": header + row["answer_ids"], "answer_start": len(header), "file": row["kind"]})
+        bucket.append({"ids": header + row["answer_ids"], "answer_start": len(header), "file": row["kind"],
+                       "index": row["index"]})
     return train, held
 
 

@@ -72,7 +72,6 @@ from .common import (
 from .corpus import chat_prompts, passage_prompts
 from .eagle_cache import AnswerSet, cache_split
 from .pool import answers_name, pool_answer_rows
-from .pool_states import cache_split as cache_shared_states
 from .pool_states import pool_states_folder
 from .prompt_pool import POOL_FOLDER
 from .eagle_unrolled import (
@@ -336,11 +335,11 @@ def answer_sets(settings: TrainSettings, loaded: LoadedModel, spec: CorpusSpec,
         answer_seconds, cache_seconds = answer_seconds + seconds, cache_seconds + cached
     if settings.pool_answers:
         name = settings.pool_answers_name()
-        folder = pool_states_folder(name, settings.pool_answers, settings.held_out_every, layers)
+        folder = pool_states_folder(name, layers)
         sets.append(AnswerSet("pool_answers", name, folder, folder, None, settings.pool_answers,
                               stored=lambda: pool_answer_rows(settings.target, settings.dtype, settings.answer_tokens,
                                                               settings.pool_answers, settings.pool_folder),
-                              cache=cache_shared_states))
+                              shared=True))
         seconds, cached = sets[-1].prepare(loaded, spec, layers)
         answer_seconds, cache_seconds = answer_seconds + seconds, cache_seconds + cached
     return [answer_set for answer_set in sets if answer_set.count], answer_seconds, cache_seconds
@@ -385,8 +384,8 @@ def load_splits(folder: Path, sets: list[AnswerSet]) -> Splits:
     code_positions = int(data.labels().numel())
     answers: dict[str, Split] = {}
     for answer_set in sets:
-        answer_train_split = load_split(answer_set.shards, "train")
-        answers[answer_set.name] = load_split(answer_set.shards, "heldout")
+        answer_train_split = answer_set.split("train")
+        answers[answer_set.name] = answer_set.split("heldout")
         answer_set.counts["training_positions"] = int(answer_train_split.labels().numel())
         answer_set.counts["held_out_positions"] = int(answers[answer_set.name].labels().numel())
         data = Split.join([data, answer_train_split])

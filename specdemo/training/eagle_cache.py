@@ -23,6 +23,8 @@ from .common import (
     write_shards,
 )
 from .corpus import TrainingPrompt
+from .eagle_unrolled import Split, load_split
+from .pool_states import eagle_split, fill_missing
 
 
 @torch.inference_mode()
@@ -73,9 +75,11 @@ class AnswerSet:
     counts: dict = field(default_factory=dict)
     #: answers stored elsewhere (the prompt pool's), read instead of generated
     stored: Callable[[], list[dict]] | None = None
-    #: how its states are cached: this trainer's own shards, or (the pool's answers) those shared with the Medusa
-    #: trainer (:func:`.pool_states.cache_split`, the same fields and more)
-    cache: Callable[..., None] = cache_split
+    #: its states are the pool's, stored by prompt index in ``shards`` and shared with the Medusa trainer
+    #: (:mod:`.pool_states`), not this trainer's own shards
+    shared: bool = False
+    #: the training and held-out sequences, by split name
+    sequences: dict[str, list[dict]] = field(default_factory=dict)
 
     def prepare(self, loaded, spec, layers: tuple[int, ...]) -> tuple[float, float]:
         """The answers (reused from any trainer's cache or the checkout, else generated) and the cached states
@@ -95,8 +99,12 @@ class AnswerSet:
             return answered - started, 0.0
         learned = self.rows[: self.count]
         train_seqs, held_seqs = answer_sequences(loaded.tokenizer, learned, spec)
-        self.cache(loaded.model, train_seqs, self.shards, "train", layers)
-        self.cache(loaded.model, held_seqs, self.shards, "heldout", layers)
+        self.sequences = {"train": train_seqs, "heldout": held_seqs}
+        if self.shared:  # mostly recorded while the pool was answered: only what is missing runs the target
+            fill_missing(loaded.model, train_seqs + held_seqs, self.shards, layers)
+        else:
+            cache_split(loaded.model, train_seqs, self.shards, "train", layers)
+            cache_split(loaded.model, held_seqs, self.shards, "heldout", layers)
         self.counts = {"training_sequences": len(train_seqs), "held_out_sequences": len(held_seqs),
                        "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in learned) / max(1, len(learned)),
                                                    1),
@@ -105,3 +113,9 @@ class AnswerSet:
                        "answer_positions": sum(len(r["answer_ids"]) for r in learned),
                        "reused_from": reused}
         return answered - started, time.perf_counter() - answered
+
+    def split(self, name: str) -> Split:
+        """The cached states of the ``train`` or ``heldout`` sequences, mapped from the files."""
+        if self.shared:
+            return eagle_split(self.shards, self.sequences[name])
+        return load_split(self.shards, name)

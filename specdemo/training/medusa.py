@@ -56,8 +56,7 @@ from .common import (
     write_training_json,
 )
 from .pool import answers_name, pool_answer_rows
-from .pool_states import cache_split as cache_shared_states
-from .pool_states import final_states, pool_states_folder
+from .pool_states import fill_missing, final_states, pool_states_folder
 from .prompt_pool import POOL_FOLDER
 
 logger = logging.getLogger(__name__)
@@ -92,13 +91,6 @@ class TrainSettings(CorpusSettings):
     pool_folder: Path = POOL_FOLDER
     extra: dict = field(default_factory=dict)
 
-    def answer_folder(self, layers: tuple[int, ...]) -> Path:
-        """Where the answers' cached states live: for the pool's answers the folder both trainers share (named by
-        the EAGLE ``layers`` it also holds), else ``--answers``' own."""
-        if self.pool_answers:
-            return pool_states_folder(answers_name(self.target, self.dtype, self.answer_tokens), self.pool_answers,
-                                      self.held_out_every, layers)
-        return self.answers_path()
 
     def answer_rows(self, loaded, spec) -> list[dict]:
         """The answers the heads learn from: the pool's stored ones, else generated (or reused) for --answers."""
@@ -148,14 +140,26 @@ def cache_split(model, sequences: list[dict], folder: Path, name: str, max_heads
     write_shards(sequences, folder, name, per_sequence, combine, f"caching target states ({name})")
 
 
-def load_split(folder: Path, name: str, shared: bool = False, max_heads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The hidden states [P, H] and labels [max_heads + 1, P] of a split: from this trainer's own shards, or
-    (``shared``) from the pool's states shared with the EAGLE trainer (:mod:`.pool_states`)."""
-    if shared:
-        hidden, greedy_per_sequence = final_states(folder, name)
-        return hidden, torch.cat([labels_for(greedy, max_heads + 1) for greedy in greedy_per_sequence], dim=1)
+def load_split(folder: Path, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states [P, H] and labels [K + 1, P] of a split of this trainer's own shards."""
     parts = read_shards(folder, name)
     return torch.cat([p["hidden"] for p in parts]), torch.cat([p["labels"] for p in parts], dim=1)
+
+
+@dataclass
+class AnswerStates:
+    """Where the answers' states are: this trainer's own shards in ``folder`` or, for the pool's answers, the
+    files shared with the EAGLE trainer (:mod:`.pool_states`), read for the ``sequences`` of each split."""
+
+    folder: Path
+    sequences: dict[str, list[dict]] | None = None
+
+    def load(self, name: str, max_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [P, H] and labels [max_heads + 1, P] of the ``train`` or ``heldout`` split."""
+        if self.sequences is None:
+            return load_split(self.folder, name)
+        hidden, greedy_per_sequence = final_states(self.folder, self.sequences[name])
+        return hidden, torch.cat([labels_for(greedy, max_heads + 1) for greedy in greedy_per_sequence], dim=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -215,7 +219,7 @@ class Corpus:
     train_seqs: list[dict]
     held_seqs: list[dict]
     answer_counts: dict
-    answer_folder: Path | None
+    answer_states: AnswerStates | None
     weight: torch.Tensor
     hidden_size: int
     vocab_size: int
@@ -235,23 +239,27 @@ def cache_corpus(settings: TrainSettings) -> Corpus:
     train_seqs, held_seqs, cache_seconds = code_corpus(loaded.tokenizer, spec, settings.cache_path(), cache)
     answer_seconds = 0.0
     answer_counts: dict = {}
-    answer_folder = None
+    answer_states = None
     if settings.answers or settings.pool_answers:
         answer_started = time.perf_counter()
         answers = settings.answer_rows(loaded, spec)
         answer_seconds = time.perf_counter() - answer_started
         answer_train, answer_held = answer_sequences(loaded.tokenizer, answers, spec)
-        layers = default_hidden_layers(target_facts(loaded).num_layers)
-        answer_folder = settings.answer_folder(layers)
-        if settings.pool_answers:  # one pass for both trainers: the shards may be the EAGLE trainer's already
-            cache = partial(cache_shared_states, loaded.model, layers=layers)
-        cache_seconds += cache_splits(cache, answer_train, answer_held, answer_folder)
+        if settings.pool_answers:  # the states shared with the EAGLE trainer, mostly recorded while answering
+            layers = default_hidden_layers(target_facts(loaded).num_layers)
+            answer_states = AnswerStates(pool_states_folder(answers_name(settings.target, settings.dtype,
+                                                                         settings.answer_tokens), layers),
+                                         {"train": answer_train, "heldout": answer_held})
+            cache_seconds += fill_missing(loaded.model, answer_train + answer_held, answer_states.folder, layers)
+        else:
+            answer_states = AnswerStates(settings.answers_path())
+            cache_seconds += cache_splits(cache, answer_train, answer_held, answer_states.folder)
         answer_counts = {"training_sequences": len(answer_train), "held_out_sequences": len(answer_held),
                          "prompts_per_kind": dict(Counter(row["kind"] for row in answers)),
                          "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in answers) / max(1, len(answers)),
                                                      1)}
     weight = head_weight[: settings.head_tokens] if settings.head_tokens else head_weight
-    corpus = Corpus(train_seqs, held_seqs, answer_counts, answer_folder, weight.float().contiguous(), head_weight.shape[1],
+    corpus = Corpus(train_seqs, held_seqs, answer_counts, answer_states, weight.float().contiguous(), head_weight.shape[1],
                     head_weight.shape[0], answer_seconds, cache_seconds)
     del loaded, head_weight, weight, cache
     clear_model_cache()
@@ -280,9 +288,8 @@ def load_states(settings: TrainSettings, corpus: Corpus) -> States:
     held = load_split(folder, "heldout")
     code_positions = int(hidden.shape[0])
     answers_held = None
-    if corpus.answer_folder is not None:
-        answers = partial(load_split, corpus.answer_folder, shared=bool(settings.pool_answers),
-                          max_heads=settings.num_heads)
+    if corpus.answer_states is not None:
+        answers = partial(corpus.answer_states.load, max_heads=settings.num_heads)
         answer_hidden, answer_labels = answers("train")
         hidden, labels = torch.cat([hidden, answer_hidden]), torch.cat([labels, answer_labels], dim=1)
         answers_held = answers("heldout")

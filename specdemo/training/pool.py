@@ -9,7 +9,9 @@ starts from what earlier runs wrote (commit the folder after a run):
 3. **answers**: the target's greedy answers (at most ``--answer-tokens``) to every prompt of the pool, in batches of
    ``--batch`` (``auto``: the size that wrote the most tokens per second here, measured first), appended answer
    batch by answer batch to ``answers-TARGET-FORMAT-TOKENS``, sealed into shards of
-   :data:`~.row_shards.ROWS_PER_SHARD`.
+   :data:`~.row_shards.ROWS_PER_SHARD`. The states the trainers learn from are recorded on the way
+   (:mod:`.pool_states`, in the user's cache, about 3 MB an answer; ``--no-states`` skips them), so that no second
+   pass of the target over the answers is needed.
 
 ``--time-budget-minutes`` stops between batches once spent; rerun the command to go on. Each run appends what it
 did (phase, machine, seconds, rows, tokens per second) to ``runs.jsonl`` beside the pool, the record
@@ -19,10 +21,12 @@ did (phase, machine, seconds, rows, tokens per second) to ``runs.jsonl`` beside 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import platform
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -31,9 +35,12 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from ..backends.eagle3_checkpoint import target_facts
+from ..backends.eagle3_head import default_hidden_layers
 from .batch_generation import fastest_batch_size, generate_batch
 from .common import chat_header
 from .magpie import write_requests
+from .pool_states import StateRecorder, pool_states_folder, write_records
 from .prompt_pool import POOL_FOLDER, PoolPrompt, pool_index, pool_shards, read_pool, store_templated
 from .row_shards import RowShards
 
@@ -49,6 +56,8 @@ WINDOW_BATCHES = 8
 REQUEST_BATCH = 32
 #: batches in a row that kept no request before the phase gives up (a model that cannot write requests this way)
 MAX_BARREN_BATCHES = 10
+#: states are recorded while the disk keeps this much free (a batch of 64 answers writes about 0.2 GB)
+MIN_FREE_BYTES = 8_000_000_000
 
 
 @dataclass
@@ -63,6 +72,8 @@ class PoolSettings:
     time_budget_minutes: float | None = None
     folder: Path = POOL_FOLDER
     phases: tuple[str, ...] = ("templated", "requests", "answers")
+    #: record the trainers' states while answering (:mod:`.pool_states`)
+    states: bool = True
 
 
 def answers_name(target: str, fmt: str, answer_tokens: int) -> str:
@@ -160,7 +171,10 @@ def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
     batch, rates = _batch_size(loaded, settings, [headers[i] for i in todo])
     shards = answer_shards(settings)
     stops = loaded.eos_token_ids
-    started, written, tokens, last_batch = time.perf_counter(), 0, 0, 0.0
+    layers = default_hidden_layers(target_facts(loaded).num_layers)
+    states_folder = pool_states_folder(answers_name(settings.target, settings.dtype, settings.answer_tokens), layers)
+    recorder = StateRecorder(loaded.model, layers) if settings.states and enough_disk(states_folder) else None
+    started, written, tokens, last_batch, recorded = time.perf_counter(), 0, 0, 0.0, 0
     with tqdm(total=len(prompts), initial=len(done), desc="target answering the pool", unit="answer") as bar:
         for window_start in range(0, len(todo), batch * WINDOW_BATCHES):
             window = sorted(todo[window_start : window_start + batch * WINDOW_BATCHES],
@@ -170,7 +184,12 @@ def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
                     break
                 chunk = window[start : start + batch]
                 batch_started = time.perf_counter()
-                answers = generate_batch(loaded, [headers[i] for i in chunk], settings.answer_tokens, stops)
+                with recorder or contextlib.nullcontext():
+                    answers = generate_batch(loaded, [headers[i] for i in chunk], settings.answer_tokens, stops)
+                if recorder is not None:
+                    recorded += store_states(recorder, states_folder, [headers[i] for i in chunk],
+                                             [ids for ids, _ in answers], chunk)
+                    recorder = recorder if enough_disk(states_folder) else None
                 last_batch = time.perf_counter() - batch_started
                 shards.append({"index": i, "kind": prompts[i].kind, "prompt": prompts[i].text, "answer_ids": ids}
                               for i, (ids, _) in zip(chunk, answers))
@@ -182,7 +201,26 @@ def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
     shards.seal(only_full=False)  # what this run wrote goes into a shard of its own: nothing is left unsealed
     seconds = time.perf_counter() - started
     return {"phase": "answers", "rows": written, "tokens": tokens, "seconds": round(seconds, 1),
-            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "batch": batch, "batch_rates": rates}
+            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "batch": batch, "batch_rates": rates,
+            "states_recorded": recorded}
+
+
+def store_states(recorder: StateRecorder, folder: Path, headers: list[list[int]], answers: list[list[int]],
+                 indexes: list[int]) -> int:
+    """Write the states ``recorder`` took of a batch; how many sequences."""
+    write_records(folder, recorder.sequences(headers, answers, indexes))
+    return len(indexes)
+
+
+def enough_disk(folder: Path) -> bool:
+    """Whether the disk holding ``folder`` has room for more states (:data:`MIN_FREE_BYTES`); says so once when
+    not."""
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < MIN_FREE_BYTES:
+        logger.warning("%.1f GB free beside %s: answering on without recording the trainers' states", free / 1e9,
+                       folder)
+    return free >= MIN_FREE_BYTES
 
 
 def _batch_size(loaded: "LoadedModel", settings: PoolSettings, headers: list[list[int]]) -> tuple[int, dict]:
@@ -269,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder", type=Path, default=defaults.folder, help="where the pool is stored")
     parser.add_argument("--phases", default=",".join(defaults.phases),
                         help="which of templated, requests, answers to run (comma-separated)")
+    parser.add_argument("--no-states", action="store_false", dest="states",
+                        help="answer without recording the states the trainers learn from (about 3 MB an answer)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     phases = tuple(p.strip() for p in args.phases.split(",") if p.strip())
@@ -278,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     settings = PoolSettings(args.target, args.dtype, args.seed, args.templated, args.requests, args.answer_tokens,
-                            args.batch, args.time_budget_minutes, args.folder, phases)
+                            args.batch, args.time_budget_minutes, args.folder, phases, args.states)
     try:
         reports = build(settings)
     except (ValueError, OSError) as error:

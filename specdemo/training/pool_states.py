@@ -1,79 +1,235 @@
-"""The target's states over the prompt pool's answers, cached once for both trainers.
+"""The target's states over the prompt pool's answers, stored by prompt index and shared by both trainers.
 
-At the pool's scale (millions of positions) one teacher-forced pass of the target costs hours on a CPU, so the
-EAGLE trainer (:mod:`specdemo.training.eagle`) and the Medusa trainer (:mod:`specdemo.training.medusa`) share it:
-per sequence the shard holds what the EAGLE head reads (the token ids, the states of its layers at every position,
-the target's greedy next token from the answer's first prediction on) and what Medusa heads read (the final,
-post-norm hidden state at those same answer positions). Whichever trainer runs first writes the shards; the other
-reads them. The folder is named by the answers (target, format, answer length), the count, the held-out split and
-the layers, not by either trainer's own corpus, so a shard means one thing wherever it is read.
+At the pool's scale (millions of positions) a pass of the target costs hours on a CPU: about 3 GFLOP a position,
+at the ~250 GFLOP/s a 2-core CPU reaches in bfloat16. The answers' own generation already runs that pass, once per
+position, so the pool's answers phase records the states as it writes the answers (:class:`StateRecorder`);
+answers written without them (earlier runs, another machine) are filled in by one teacher-forced pass
+(:func:`fill_missing`). The EAGLE trainer (:mod:`specdemo.training.eagle`) and the Medusa trainer
+(:mod:`specdemo.training.medusa`) read the same files.
+
+Per sequence (the chat header and the answer, as :func:`~.common.answer_sequences` builds it) a file holds the
+token ids, the states of the EAGLE layers at every position and the final (post-norm) hidden state from the
+answer's first prediction on (bfloat16), and the target's greedy next token from there on (-1 before). Recorded
+during generation the last position has no states (the last token is never fed back): zeros there and greedy -1,
+so no training row reads it. The folder is named by the answers (target, format, answer length) and the layers,
+not by either trainer's settings or a count, so a larger count reads what a smaller one cached. A stored sequence
+whose ids differ from the one asked for (a changed tokenizer or chat template) is cached again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from . import common
-from .common import read_shards, write_shards
+from .eagle_unrolled import Split, StateRows
 
-#: bumped when what a shard holds changes
-CACHE_FORMAT = 1
+logger = logging.getLogger(__name__)
+
+#: bumped when what a file holds changes
+CACHE_FORMAT = 2
+#: sequences per file written by the teacher-forced pass
+FILL_SEQUENCES = 16
 
 
-def pool_states_folder(answers_name: str, count: int, held_out_every: int, layers: tuple[int, ...]) -> Path:
-    """The folder of the states over the first ``count`` stored answers ``answers_name`` (one in
-    ``held_out_every`` held out), with the EAGLE ``layers``, in the user's cache (not under a trainer's
-    ``--cache-dir``, which is that trainer's own)."""
-    keyed = [CACHE_FORMAT, answers_name, count, held_out_every, list(layers)]
-    key = hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:12]
-    return common.CACHE_HOME / "pool-states" / f"{answers_name}-{count}-{key}"
+def pool_states_folder(answers_name: str, layers: tuple[int, ...]) -> Path:
+    """The folder of the states over the stored answers ``answers_name`` with the EAGLE ``layers``, in the user's
+    cache (not under a trainer's ``--cache-dir``, which is that trainer's own)."""
+    key = hashlib.sha256(json.dumps([CACHE_FORMAT, answers_name, list(layers)]).encode()).hexdigest()[:12]
+    return common.CACHE_HOME / "pool-states" / f"{answers_name}-{key}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# recording: during generation, or one teacher-forced pass
+
+
+class StateRecorder:
+    """Records, while ``model`` generates a left-padded batch (transformers' ``generate``: one pass over the
+    prompts, then one token per pass), the outputs of the EAGLE ``layers`` (indices into ``output_hidden_states``:
+    0 the embeddings, L the final norm's output) and of the final norm; :meth:`sequences` assembles them per row."""
+
+    def __init__(self, model, layers: tuple[int, ...]) -> None:
+        decoder = model.get_decoder()
+        count = len(decoder.layers)
+        modules = {0: decoder.embed_tokens, count: decoder.norm}
+        self.sources = [modules[layer] if layer in modules else decoder.layers[layer - 1] for layer in layers]
+        self.sources.append(decoder.norm)
+        self.calls: list[list[torch.Tensor]] = [[] for _ in self.sources]
+        self.handles: list = []
+
+    def __enter__(self) -> StateRecorder:
+        for slot, module in enumerate(self.sources):
+            self.handles.append(module.register_forward_hook(self._hook(slot)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _hook(self, slot: int):
+        def record(_module, _inputs, output) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            self.calls[slot].append(hidden.detach().to(torch.bfloat16).cpu())
+        return record
+
+    def sequences(self, headers: list[list[int]], continuations: list[list[int]], indexes: list[int]) -> list[dict]:
+        """Each row's record (:func:`sequence_record`) from the passes recorded since the last call; cleared."""
+        width = max(len(header) for header in headers)
+        per_source = [torch.cat(calls, dim=1) for calls in self.calls]  # [B, width + passes after the first, H]
+        self.calls = [[] for _ in self.sources]
+        records = []
+        for row, (header, answer, index) in enumerate(zip(headers, continuations, indexes)):
+            fed = len(header) + len(answer) - 1  # positions whose states exist: all but the last token
+            start = width - len(header)
+            parts = [source[row, start : start + fed] for source in per_source]
+            records.append(sequence_record(index, list(header) + list(answer), len(header), parts[:-1], parts[-1],
+                                           greedy=torch.tensor(answer, dtype=torch.int32)))
+        return records
+
+
+def sequence_record(index: int, ids: list[int], answer_start: int, layer_states: list[torch.Tensor],
+                    final: torch.Tensor, greedy: torch.Tensor) -> dict:
+    """One sequence as stored: states [n, k*H] and final [n - answer_start + 1, H] (bfloat16), greedy [n] (int32,
+    -1 before the answer's first prediction), zero-padded to the sequence's length where fewer positions were
+    computed (their greedy -1)."""
+    n, start = len(ids), answer_start - 1  # position start predicts the answer's first token
+    states = torch.zeros(n, sum(s.shape[-1] for s in layer_states), dtype=torch.bfloat16)
+    computed = torch.cat(layer_states, dim=-1)
+    states[: computed.shape[0]] = computed
+    finals = torch.zeros(n - start, final.shape[-1], dtype=torch.bfloat16)
+    finals[: max(0, final.shape[0] - start)] = final[start:]
+    labels = torch.full((n,), -1, dtype=torch.int32)
+    labels[start : start + greedy.numel()] = greedy
+    return {"index": index, "ids": torch.tensor(ids, dtype=torch.int32), "states": states, "final": finals,
+            "greedy": labels, "answer_start": answer_start}
 
 
 @torch.inference_mode()
-def sequence_states(model, ids: list[int], answer_start: int, layers: tuple[int, ...]) -> dict:
-    """One teacher-forced pass of the target over ``ids``: the ids (int32), the states of ``layers`` at every
-    position and the final hidden state from the answer's first prediction on (bfloat16), and the target's greedy
-    next token from there on (-1 before), on the CPU."""
-    device = next(model.parameters()).device
-    inputs = torch.tensor([ids], device=device)
-    start = answer_start - 1  # this position predicts the answer's first token
+def teacher_forced(model, sequence: dict, layers: tuple[int, ...]) -> dict:
+    """One pass of the target over a sequence (``index``, ``ids``, ``answer_start``): its record, every position
+    computed."""
+    inputs = torch.tensor([sequence["ids"]], device=next(model.parameters()).device)
+    start = sequence["answer_start"] - 1
     out = model.get_decoder()(input_ids=inputs, output_hidden_states=True)
-    final = out.last_hidden_state[0, start:]
-    greedy = torch.full((inputs.shape[1],), -1, dtype=torch.int32)
-    greedy[start:] = model.get_output_embeddings()(final).argmax(-1).cpu().to(torch.int32)
-    states = torch.cat([out.hidden_states[layer][0] for layer in layers], dim=-1)
-    return {"ids": inputs[0].cpu().to(torch.int32), "states": states.to(torch.bfloat16).cpu(), "greedy": greedy,
-            "final": final.to(torch.bfloat16).cpu(), "answer_start": answer_start}
+    final = out.last_hidden_state[0]
+    greedy = model.get_output_embeddings()(final[start:]).argmax(-1).cpu().to(torch.int32)
+    return sequence_record(sequence["index"], sequence["ids"], sequence["answer_start"],
+                           [out.hidden_states[layer][0].to(torch.bfloat16).cpu() for layer in layers],
+                           final.to(torch.bfloat16).cpu(), greedy)
 
 
-def _combine(rows: list[dict]) -> dict:
-    return {"ids": torch.cat([r["ids"] for r in rows]), "states": torch.cat([r["states"] for r in rows]),
-            "greedy": torch.cat([r["greedy"] for r in rows]), "final": torch.cat([r["final"] for r in rows]),
-            "lengths": torch.tensor([len(r["ids"]) for r in rows]),
-            "answer_starts": torch.tensor([r["answer_start"] for r in rows])}
+# ----------------------------------------------------------------------------------------------------------------
+# the files
 
 
-def cache_split(model, sequences: list[dict], folder: Path, name: str, layers: tuple[int, ...]) -> None:
-    """Store :func:`sequence_states` of every sequence in shards under ``folder`` (existing shards kept)."""
+def write_records(folder: Path, records: list[dict]) -> Path:
+    """Store ``records`` in one new file of ``folder``, there whole or not at all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"states-{min(r['index'] for r in records):06d}-{time.time_ns()}.pt"
+    partial = path.with_name(path.name + ".partial")
+    torch.save({
+        "indexes": torch.tensor([r["index"] for r in records]),
+        "ids": torch.cat([r["ids"] for r in records]), "states": torch.cat([r["states"] for r in records]),
+        "greedy": torch.cat([r["greedy"] for r in records]), "final": torch.cat([r["final"] for r in records]),
+        "lengths": torch.tensor([len(r["ids"]) for r in records]),
+        "answer_starts": torch.tensor([r["answer_start"] for r in records]),
+    }, partial)
+    partial.rename(path)
+    return path
 
-    def per_sequence(sequence: dict) -> dict:
-        return sequence_states(model, sequence["ids"], sequence["answer_start"], layers)
 
-    write_shards(sequences, folder, name, per_sequence, _combine, f"caching target states ({name}, shared)")
+@dataclass
+class StoredSequence:
+    """One stored sequence's tensors, views into a file mapped from disk."""
+
+    ids: torch.Tensor
+    states: torch.Tensor
+    greedy: torch.Tensor
+    final: torch.Tensor
+    answer_start: int
 
 
-def final_states(folder: Path, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """What Medusa heads learn from: the final hidden states at every answer position [A, H] (bfloat16) and, per
-    sequence, the target's greedy tokens there (from the answer's first prediction on)."""
-    hidden, greedy_per_sequence = [], []
-    for shard in read_shards(folder, name, mmap=True):
-        hidden.append(shard["final"])
-        offset = 0
-        for length, start in zip(shard["lengths"].tolist(), shard["answer_starts"].tolist()):
-            greedy_per_sequence.append(shard["greedy"][offset + start - 1 : offset + length].long())
-            offset += length
-    return torch.cat(hidden), greedy_per_sequence
+def stored(folder: Path) -> dict[int, StoredSequence]:
+    """Every sequence stored in ``folder`` by prompt index (a later file's copy wins), mapped, not read."""
+    found: dict[int, StoredSequence] = {}
+    for path in sorted(folder.glob("states-*.pt")):
+        try:
+            shard = torch.load(path, weights_only=True, mmap=True)
+        except Exception as error:  # a torn or foreign file: its sequences are cached again
+            logger.warning("ignoring %s: %s", path, error)
+            continue
+        offset = final_offset = 0
+        for index, length, start in zip(shard["indexes"].tolist(), shard["lengths"].tolist(),
+                                        shard["answer_starts"].tolist()):
+            finals = length - start + 1
+            found[index] = StoredSequence(shard["ids"][offset : offset + length],
+                                          shard["states"][offset : offset + length],
+                                          shard["greedy"][offset : offset + length],
+                                          shard["final"][final_offset : final_offset + finals], start)
+            offset, final_offset = offset + length, final_offset + finals
+    return found
+
+
+def _matching(found: dict[int, StoredSequence], sequence: dict) -> bool:
+    have = found.get(sequence["index"])
+    return have is not None and have.answer_start == sequence["answer_start"] and \
+        have.ids.tolist() == list(sequence["ids"])
+
+
+def fill_missing(model, sequences: Iterable[dict], folder: Path, layers: tuple[int, ...]) -> float:
+    """Cache, by one teacher-forced pass each, the ``sequences`` (``index``, ``ids``, ``answer_start``) whose
+    states ``folder`` lacks, in files of :data:`FILL_SEQUENCES`; the seconds it took."""
+    started = time.perf_counter()
+    found = stored(folder)
+    todo = [sequence for sequence in sequences if not _matching(found, sequence)]
+    if todo:
+        logger.info("%d sequences of the pool's answers have no stored states: caching them", len(todo))
+        with tqdm(total=len(todo), desc="caching target states (pool answers)", unit="seq") as bar:
+            for first in range(0, len(todo), FILL_SEQUENCES):
+                records = []
+                for sequence in todo[first : first + FILL_SEQUENCES]:
+                    records.append(teacher_forced(model, sequence, layers))
+                    bar.update(1)
+                write_records(folder, records)
+    return time.perf_counter() - started
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what each trainer reads
+
+
+def _sequences_in(folder: Path, sequences: list[dict]) -> list[StoredSequence]:
+    found = stored(folder)
+    missing = [sequence["index"] for sequence in sequences if not _matching(found, sequence)]
+    if missing:
+        raise ValueError(f"{len(missing)} pool answers have no stored states in {folder} (first: {missing[0]})")
+    return [found[sequence["index"]] for sequence in sequences]
+
+
+def eagle_split(folder: Path, sequences: list[dict]) -> Split:
+    """The EAGLE trainer's split of ``sequences``, in their order, its states mapped from the files."""
+    rows = _sequences_in(folder, sequences)
+    if not rows:
+        empty = torch.zeros(0, dtype=torch.int32)
+        return Split(empty, empty, StateRows([]), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    return Split(torch.cat([r.ids for r in rows]), torch.cat([r.greedy for r in rows]),
+                 StateRows([r.states for r in rows]), torch.tensor([len(r.ids) for r in rows]),
+                 torch.tensor([r.answer_start for r in rows]))
+
+
+def final_states(folder: Path, sequences: list[dict]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """What Medusa heads learn from, for ``sequences`` in their order: the final hidden states at every answer
+    position [A, H] (bfloat16) and, per sequence, the target's greedy tokens there (from the answer's first
+    prediction on, -1 where unknown)."""
+    rows = _sequences_in(folder, sequences)
+    hidden = torch.cat([r.final for r in rows]) if rows else torch.zeros(0, 0, dtype=torch.bfloat16)
+    return hidden, [r.greedy[r.answer_start - 1 :].long() for r in rows]

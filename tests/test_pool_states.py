@@ -1,0 +1,107 @@
+"""The states over the pool's answers: recorded while answering, filled in by one pass where missing, read by both
+trainers (a tiny target, float32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import save_tiny_pair
+
+from specdemo.backends.eagle3_checkpoint import target_facts
+from specdemo.backends.eagle3_head import default_hidden_layers
+from specdemo.backends.loading import LoadSettings, load_model
+from specdemo.training import common, eagle, medusa, pool
+from specdemo.training.batch_generation import generate_batch
+from specdemo.training.common import answer_sequences, chat_header
+from specdemo.training.pool_states import (
+    StateRecorder,
+    eagle_split,
+    fill_missing,
+    final_states,
+    pool_states_folder,
+    stored,
+    teacher_forced,
+    write_records,
+)
+from specdemo.training.prompt_pool import PoolPrompt, pool_shards
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))[0]
+
+
+def test_states_recorded_while_generating_a_padded_batch_are_the_teacher_forced_ones(target, tmp_path):
+    loaded = load_model(target, LoadSettings(dtype="float32"))
+    layers = default_hidden_layers(target_facts(loaded).num_layers)
+    headers = [chat_header(loaded.tokenizer, text) for text in ("Hi.", "Name three rivers of Europe, please.")]
+    recorder = StateRecorder(loaded.model, layers)
+    with recorder:
+        answers = generate_batch(loaded, headers, 12, loaded.eos_token_ids, min_new_tokens=3)
+    assert not recorder.handles  # the hooks are gone once the batch is written
+    records = recorder.sequences(headers, [ids for ids, _ in answers], [7, 9])
+    for header, (answer, _), record in zip(headers, answers, records):
+        ids = header + answer
+        n, start = len(ids), len(header) - 1
+        forced = teacher_forced(loaded.model, {"index": record["index"], "ids": ids, "answer_start": len(header)},
+                                layers)
+        assert record["ids"].tolist() == ids and record["states"].shape == forced["states"].shape
+        # every position but the last was computed; the last is never fed back, so it is empty and unlabelled
+        assert torch.allclose(record["states"][: n - 1].float(), forced["states"][: n - 1].float(), atol=2e-2)
+        assert not record["states"][n - 1].any() and int(record["greedy"][n - 1]) == -1
+        assert record["greedy"][start : n - 1].tolist() == answer == forced["greedy"][start : n - 1].tolist()
+        assert torch.allclose(record["final"][:-1].float(), forced["final"][:-1].float(), atol=2e-2)
+    assert [r["index"] for r in records] == [7, 9]
+    # stored and read back by index, a sequence whose ids changed counts as missing
+    folder = tmp_path / "states"
+    write_records(folder, records)
+    found = stored(folder)
+    assert sorted(found) == [7, 9] and torch.equal(found[9].states, records[1]["states"])
+    sequence = {"index": 9, "ids": headers[1] + answers[1][0], "answer_start": len(headers[1])}
+    assert fill_missing(loaded.model, [sequence], folder, layers) >= 0 and len(list(folder.glob("*.pt"))) == 1
+    changed = {**sequence, "ids": sequence["ids"][:-1]}
+    fill_missing(loaded.model, [changed], folder, layers)
+    assert len(list(folder.glob("*.pt"))) == 2 and stored(folder)[9].ids.tolist() == changed["ids"]
+
+
+def test_the_pools_answers_phase_records_the_states_both_trainers_read(target, tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")
+    folder = tmp_path / "pool"
+    prompts = [PoolPrompt("question", f"man:tool{i}.1", f"What does tool {i} do with files?") for i in range(6)]
+    pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts))
+    # the first three answered without states (an earlier run, another machine), the rest with them
+    assert pool.main(["--target", target, "--dtype", "float32", "--answer-tokens", "24", "--batch", "3", "--folder",
+                      str(folder), "--phases", "answers", "--no-states", "--time-budget-minutes", "0.001"]) == 0
+    answered = len(pool.read_answers(pool.PoolSettings(target, "float32", answer_tokens=24, folder=folder), prompts))
+    assert answered == 3 and not (tmp_path / "home" / "pool-states").exists()
+    assert pool.main(["--target", target, "--dtype", "float32", "--answer-tokens", "24", "--batch", "3", "--folder",
+                      str(folder), "--phases", "answers"]) == 0
+    states = tmp_path / "home" / "pool-states"
+    recorded = sorted(states.glob("*/*.pt"))
+    assert len(recorded) == 1 and sorted(stored(recorded[0].parent)) == [3, 4, 5]
+    shared = dict(target=target, dtype="float32", sequences=2, sequence_tokens=256, held_out_sequences=1,
+                  answer_tokens=24, held_out_every=4, pool_answers=6, pool_folder=folder)
+    eagle_report = eagle.train(eagle.TrainSettings(**shared, out=tmp_path / "head", cache_dir=tmp_path / "eagle",
+                                                   answers=0, epochs=1, steps_unrolled=2, draft_vocab_size=64,
+                                                   batch_tokens=300, warmup_steps=2))
+    filled = sorted(states.glob("*/*.pt"))
+    assert len(filled) == 2 and sorted(stored(filled[0].parent)) == list(range(6))  # the missing three, once
+    assert eagle_report["pool_answers"]["training_positions"] > 0
+    written = {path: path.stat().st_mtime_ns for path in filled}
+    medusa_report = medusa.train(medusa.TrainSettings(**shared, out=tmp_path / "heads", cache_dir=tmp_path / "medusa",
+                                                      num_heads=2, head_tokens=0, epochs=1, batch_size=64))
+    assert {path: path.stat().st_mtime_ns for path in sorted(states.glob("*/*.pt"))} == written  # read, not redone
+    assert len(medusa_report["answers"]["held_out_top1_per_head"]) == 2
+    # what each trainer reads is its own pass's: EAGLE's split and Medusa's labels
+    loaded = load_model(target, LoadSettings(dtype="float32"))
+    layers = default_hidden_layers(target_facts(loaded).num_layers)
+    rows = pool.pool_answer_rows(target, "float32", 24, 6, folder)
+    train_seqs, _ = answer_sequences(loaded.tokenizer, rows, medusa.TrainSettings(**shared).corpus_spec())
+    where = pool_states_folder(pool.answers_name(target, "float32", 24), layers)
+    split = eagle_split(where, train_seqs)
+    assert split.ids.tolist() == [token for sequence in train_seqs for token in sequence["ids"]]
+    hidden, greedy = final_states(where, train_seqs)
+    assert hidden.shape[0] == sum(len(s["ids"]) - s["answer_start"] + 1 for s in train_seqs)
+    assert [g.numel() for g in greedy] == [len(s["ids"]) - s["answer_start"] + 1 for s in train_seqs]
