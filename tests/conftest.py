@@ -22,6 +22,18 @@ def own_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SPECDEMO_CACHE", str(tmp_path_factory.mktemp("cache")))
 
 
+@pytest.fixture(autouse=True)
+def training_cache_of_the_tests(tmp_path_factory):
+    """The trainers' caches (the pool's states among them) go to a folder of the test session's, never the
+    user's: a test that answers the pool would otherwise record states there. A patch of its own, which a test's
+    ``monkeypatch.undo()`` leaves in place."""
+    from specdemo.training import common
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(common, "CACHE_HOME", tmp_path_factory.getbasetemp() / "training-cache")
+        yield
+
+
 def need_browser(chromium: str, allow_module_level: bool = False):
     """Playwright's sync API when Playwright and Chromium are here; otherwise skip, or fail where a browser is
     required (``SPECDEMO_REQUIRE_BROWSER=1``, as ``.ci/run`` sets it)."""

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from tqdm import tqdm
 
+from ..backends.offline import cache_home
 from ..core.files import atomic_path
 from .batch_generation import generate_batch
 from .corpus import (
@@ -48,8 +49,9 @@ logger = logging.getLogger(__name__)
 
 #: folders of the standard library left out of the corpus (tests, demos, vendored third-party code)
 EXCLUDED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "ensurepip", "turtledemo", "__pycache__"}
-#: where the trainers keep their caches, one folder each (``medusa-train``, ``eagle-train``)
-CACHE_HOME = Path.home() / ".cache" / "specdemo"
+#: where the trainers keep their caches, one folder each (``medusa-train``, ``eagle-train``, ``pool-states``): the
+#: project's cache folder (``$SPECDEMO_CACHE``, else ``$XDG_CACHE_HOME/specdemo``, else ``~/.cache/specdemo``)
+CACHE_HOME = cache_home()
 #: sequences per shard file
 SHARD_SEQUENCES = 16
 #: the answers file inside an answers folder
