@@ -62,7 +62,7 @@ def test_states_recorded_while_generating_a_padded_batch_are_the_teacher_forced_
     sequence = {"index": 9, "ids": headers[1] + answers[1][0], "answer_start": len(headers[1])}
     assert fill_missing(loaded.model, [sequence], folder, layers) >= 0 and len(list(folder.glob("*.pt"))) == 1
     changed = {**sequence, "ids": sequence["ids"][:-1]}
-    fill_missing(loaded.model, [changed], folder, layers)
+    fill_missing(loaded.model, [changed, {**changed, "index": 2}], folder, layers)  # a file named from index 2
     assert len(list(folder.glob("*.pt"))) == 2 and stored(folder)[9].ids.tolist() == changed["ids"]
 
 
@@ -70,12 +70,13 @@ def test_the_pools_answers_phase_records_the_states_both_trainers_read(target, t
     monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")
     folder = tmp_path / "pool"
     prompts = [PoolPrompt("question", f"man:tool{i}.1", f"What does tool {i} do with files?") for i in range(6)]
-    pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts))
-    # the first three answered without states (an earlier run, another machine), the rest with them
+    # the first three answered without states (an earlier run, another machine), the next three with them
+    pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts[:3]))
     assert pool.main(["--target", target, "--dtype", "float32", "--answer-tokens", "24", "--batch", "3", "--folder",
-                      str(folder), "--phases", "answers", "--no-states", "--time-budget-minutes", "0.001"]) == 0
+                      str(folder), "--phases", "answers", "--no-states"]) == 0
     answered = len(pool.read_answers(pool.PoolSettings(target, "float32", answer_tokens=24, folder=folder), prompts))
     assert answered == 3 and not (tmp_path / "home" / "pool-states").exists()
+    pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts) if i >= 3)
     assert pool.main(["--target", target, "--dtype", "float32", "--answer-tokens", "24", "--batch", "3", "--folder",
                       str(folder), "--phases", "answers"]) == 0
     states = tmp_path / "home" / "pool-states"

@@ -161,7 +161,7 @@ class StoredSequence:
 def stored(folder: Path) -> dict[int, StoredSequence]:
     """Every sequence stored in ``folder`` by prompt index (a later file's copy wins), mapped, not read."""
     found: dict[int, StoredSequence] = {}
-    for path in sorted(folder.glob("states-*.pt")):
+    for path in sorted(folder.glob("states-*.pt"), key=_written_at):
         try:
             shard = torch.load(path, weights_only=True, mmap=True)
         except Exception as error:  # a torn or foreign file: its sequences are cached again
@@ -177,6 +177,12 @@ def stored(folder: Path) -> dict[int, StoredSequence]:
                                           shard["final"][final_offset : final_offset + finals], start)
             offset, final_offset = offset + length, final_offset + finals
     return found
+
+
+def _written_at(path: Path) -> int:
+    """When :func:`write_records` wrote a file (its name's last part, in nanoseconds)."""
+    stamp = path.stem.rsplit("-", 1)[-1]
+    return int(stamp) if stamp.isdigit() else 0
 
 
 def _matching(found: dict[int, StoredSequence], sequence: dict) -> bool:
