@@ -106,3 +106,19 @@ def test_the_pools_answers_phase_records_the_states_both_trainers_read(target, t
     hidden, greedy = final_states(where, train_seqs)
     assert hidden.shape[0] == sum(len(s["ids"]) - s["answer_start"] + 1 for s in train_seqs)
     assert [g.numel() for g in greedy] == [len(s["ids"]) - s["answer_start"] + 1 for s in train_seqs]
+
+
+def test_a_failed_states_write_keeps_the_answers_and_answers_on_without_states(target, tmp_path, monkeypatch, caplog):
+    folder = tmp_path / "pool"
+    prompts = [PoolPrompt("question", f"man:tool{i}.1", f"Why does tool {i} lock files?") for i in range(4)]
+    pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts))
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pool, "write_records", full_disk)
+    assert pool.main(["--target", target, "--dtype", "float32", "--answer-tokens", "8", "--batch", "2", "--folder",
+                      str(folder), "--phases", "answers"]) == 0
+    answers = pool.read_answers(pool.PoolSettings(target, "float32", answer_tokens=8, folder=folder), prompts)
+    assert sorted(answers) == [0, 1, 2, 3]  # every batch answered and kept
+    assert "answering on without recording them" in caplog.text

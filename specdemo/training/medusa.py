@@ -91,7 +91,6 @@ class TrainSettings(CorpusSettings):
     pool_folder: Path = POOL_FOLDER
     extra: dict = field(default_factory=dict)
 
-
     def answer_rows(self, loaded, spec) -> list[dict]:
         """The answers the heads learn from: the pool's stored ones, else generated (or reused) for --answers."""
         if self.pool_answers:
@@ -259,8 +258,8 @@ def cache_corpus(settings: TrainSettings) -> Corpus:
                          "mean_answer_tokens": round(sum(len(r["answer_ids"]) for r in answers) / max(1, len(answers)),
                                                      1)}
     weight = head_weight[: settings.head_tokens] if settings.head_tokens else head_weight
-    corpus = Corpus(train_seqs, held_seqs, answer_counts, answer_states, weight.float().contiguous(), head_weight.shape[1],
-                    head_weight.shape[0], answer_seconds, cache_seconds)
+    corpus = Corpus(train_seqs, held_seqs, answer_counts, answer_states, weight.float().contiguous(),
+                    head_weight.shape[1], head_weight.shape[0], answer_seconds, cache_seconds)
     del loaded, head_weight, weight, cache
     clear_model_cache()
     return corpus

@@ -186,13 +186,13 @@ def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
                 batch_started = time.perf_counter()
                 with recorder or contextlib.nullcontext():
                     answers = generate_batch(loaded, [headers[i] for i in chunk], settings.answer_tokens, stops)
-                if recorder is not None:
-                    recorded += store_states(recorder, states_folder, [headers[i] for i in chunk],
-                                             [ids for ids, _ in answers], chunk)
-                    recorder = recorder if enough_disk(states_folder) else None
-                last_batch = time.perf_counter() - batch_started
                 shards.append({"index": i, "kind": prompts[i].kind, "prompt": prompts[i].text, "answer_ids": ids}
                               for i, (ids, _) in zip(chunk, answers))
+                if recorder is not None:
+                    recorder, stored_now = store_states(recorder, states_folder, [headers[i] for i in chunk],
+                                                        [ids for ids, _ in answers], chunk)
+                    recorded += stored_now
+                last_batch = time.perf_counter() - batch_started
                 written += len(chunk)
                 tokens += sum(len(ids) for ids, _ in answers)
                 bar.update(len(chunk))
@@ -206,10 +206,15 @@ def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
 
 
 def store_states(recorder: StateRecorder, folder: Path, headers: list[list[int]], answers: list[list[int]],
-                 indexes: list[int]) -> int:
-    """Write the states ``recorder`` took of a batch; how many sequences."""
-    write_records(folder, recorder.sequences(headers, answers, indexes))
-    return len(indexes)
+                 indexes: list[int]) -> tuple[StateRecorder | None, int]:
+    """Write the states ``recorder`` took of a batch (the answers are stored already); the recorder to go on with
+    (None once the disk is short or a write failed: the answers go on without states) and how many were written."""
+    try:
+        write_records(folder, recorder.sequences(headers, answers, indexes))
+    except OSError as error:
+        logger.warning("could not store the trainers' states (%s): answering on without recording them", error)
+        return None, 0
+    return (recorder if enough_disk(folder) else None), len(indexes)
 
 
 def enough_disk(folder: Path) -> bool:
