@@ -73,6 +73,12 @@ class Split:
         return self.greedy[keep]
 
     @staticmethod
+    def empty() -> Split:
+        """A split of no sequences."""
+        no_ids, no_counts = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.long)
+        return Split(no_ids, no_ids, StateRows([]), no_counts, no_counts)
+
+    @staticmethod
     def join(parts: list[Split]) -> Split:
         """The sequences of ``parts`` in order (their states' shards listed, not copied)."""
         return Split(*(torch.cat([getattr(p, name) for p in parts]) for name in ("ids", "greedy")),
@@ -83,8 +89,7 @@ class Split:
 def load_split(folder: Path, name: str) -> Split:
     """The cached sequences of ``name`` (none: an empty split), their states mapped from the files."""
     if not any(folder.glob(f"{name}_*.pt")):
-        empty = torch.zeros(0, dtype=torch.int32)
-        return Split(empty, empty, StateRows([]), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+        return Split.empty()
     shards = read_shards(folder, name, mmap=True)
     return Split(*(torch.cat([s[key] for s in shards]) for key in ("ids", "greedy")),
                  StateRows([s["states"] for s in shards]),

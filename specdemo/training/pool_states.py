@@ -225,8 +225,7 @@ def eagle_split(folder: Path, sequences: list[dict]) -> Split:
     """The EAGLE trainer's split of ``sequences``, in their order, its states mapped from the files."""
     rows = _sequences_in(folder, sequences)
     if not rows:
-        empty = torch.zeros(0, dtype=torch.int32)
-        return Split(empty, empty, StateRows([]), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+        return Split.empty()
     return Split(torch.cat([r.ids for r in rows]), torch.cat([r.greedy for r in rows]),
                  StateRows([r.states for r in rows]), torch.tensor([len(r.ids) for r in rows]),
                  torch.tensor([r.answer_start for r in rows]))
