@@ -66,6 +66,50 @@ def test_states_recorded_while_generating_a_padded_batch_are_the_teacher_forced_
     assert len(list(folder.glob("*.pt"))) == 2 and stored(folder)[9].ids.tolist() == changed["ids"]
 
 
+def test_rows_that_stopped_leave_the_batch_and_every_row_is_what_generate_writes(target):
+    """A greedy batch drops the rows that stopped (their cache rows too): every continuation is still the one
+    transformers' generate writes, and the states recorded at the remaining rows' places are the teacher-forced
+    ones."""
+    loaded = load_model(target, LoadSettings(dtype="float32"))
+    layers = default_hidden_layers(target_facts(loaded).num_layers)
+    texts = ("Hi.", "Name three rivers of Europe, please.", "Sort a list in Python.", "Why is the sky blue?")
+    headers = [chat_header(loaded.tokenizer, text) for text in texts]
+    unstopped = generate_batch(loaded, headers, 10, [])
+    stop = unstopped[0][0][3]  # a token the first row writes fourth: that row stops early, others later or never
+    reference = _generate(loaded, headers, 10, stop)
+    recorder = StateRecorder(loaded.model, layers)
+    passes: list[int] = []
+
+    def observe(rows: torch.Tensor) -> None:
+        passes.append(rows.numel())
+        recorder(rows)
+
+    with recorder:
+        answers = generate_batch(loaded, headers, 10, [stop], on_pass=observe)
+    assert answers == reference and answers[0] == (unstopped[0][0][:4], True)
+    assert passes[0] == len(headers) and min(passes) < len(headers)  # the batch shrank
+    records = recorder.sequences(headers, [ids for ids, _ in answers], [0, 1, 2, 3])
+    for header, (answer, _), record in zip(headers, answers, records):
+        ids, n = header + answer, len(header) + len(answer)
+        forced = teacher_forced(loaded.model, {"index": 0, "ids": ids, "answer_start": len(header)}, layers)
+        assert torch.allclose(record["states"][: n - 1].float(), forced["states"][: n - 1].float(), atol=2e-2)
+        assert record["greedy"][len(header) - 1 : n - 1].tolist() == answer
+
+
+def _generate(loaded, headers: list[list[int]], max_new_tokens: int, stop: int) -> list[tuple[list[int], bool]]:
+    """transformers' greedy generate over the left-padded headers, each row cut after ``stop``."""
+    width = max(len(h) for h in headers)
+    ids = torch.tensor([[0] * (width - len(h)) + h for h in headers])
+    mask = torch.tensor([[0] * (width - len(h)) + [1] * len(h) for h in headers])
+    out = loaded.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                eos_token_id=[stop], pad_token_id=0)
+    rows = []
+    for row in out[:, width:].tolist():
+        cut = row.index(stop) + 1 if stop in row else len(row)
+        rows.append((row[:cut], stop in row))
+    return rows
+
+
 def test_the_pools_answers_phase_records_the_states_both_trainers_read(target, tmp_path, monkeypatch):
     monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")
     folder = tmp_path / "pool"

@@ -170,9 +170,9 @@ def test_a_build_resumes_answer_by_answer_and_reads_no_benchmark_file(target, tm
     # --batch auto: the size an earlier run measured fastest on this machine, in this format, is used again
     with (folder / "runs.jsonl").open("a") as handle:
         handle.write(json.dumps({"phase": "answers", "machine": pool.machine(), "format": "float32",
-                                 "batch_rates": {"2": 5.0, "4": 9.0, "8": 7.0}}) + "\n")
+                                 "batch_rates": {"32": 5.0, "64": 9.0, "128": 7.0}}) + "\n")
     auto = pool.PoolSettings(target, "float32", batch="auto", folder=folder)
-    assert pool._batch_size(loaded, auto, [[1, 2, 3]]) == (4, {})
+    assert pool._batch_size(loaded, auto, [[1, 2, 3]]) == (64, {})
     assert pool.main(common + ["--phases", "answers,everything"]) == 2
     assert "unknown phases" in capsys.readouterr().err
 

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from ..backends.eagle3_checkpoint import target_facts
 from ..backends.eagle3_head import default_hidden_layers
-from .batch_generation import fastest_batch_size, generate_batch
+from .batch_generation import BATCH_SIZES, fastest_batch_size, generate_batch
 from .common import chat_header
 from .magpie import write_requests
 from .pool_states import StateRecorder, pool_states_folder, write_records
@@ -185,7 +185,8 @@ def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
                 chunk = window[start : start + batch]
                 batch_started = time.perf_counter()
                 with recorder or contextlib.nullcontext():
-                    answers = generate_batch(loaded, [headers[i] for i in chunk], settings.answer_tokens, stops)
+                    answers = generate_batch(loaded, [headers[i] for i in chunk], settings.answer_tokens, stops,
+                                             on_pass=recorder)
                 shards.append({"index": i, "kind": prompts[i].kind, "prompt": prompts[i].text, "answer_ids": ids}
                               for i, (ids, _) in zip(chunk, answers))
                 if recorder is not None:
@@ -230,10 +231,11 @@ def enough_disk(folder: Path) -> bool:
 
 def _batch_size(loaded: "LoadedModel", settings: PoolSettings, headers: list[list[int]]) -> tuple[int, dict]:
     """``--batch``, or with ``auto`` the batch size measured fastest on this machine in this format: by an earlier
-    run (``runs.jsonl``), else now (a few minutes)."""
+    run (``runs.jsonl``) that timed every size of :data:`BATCH_SIZES`, else now (a few minutes)."""
     if settings.batch != "auto":
         return int(settings.batch), {}
-    earlier = [run for run in _runs(settings) if run.get("phase") == "answers" and run.get("batch_rates")
+    earlier = [run for run in _runs(settings) if run.get("phase") == "answers"
+               and {str(size) for size in BATCH_SIZES} <= set(run.get("batch_rates") or {})
                and run.get("machine") == machine() and run.get("format") == settings.dtype]
     if earlier:
         rates = earlier[-1]["batch_rates"]

@@ -52,9 +52,11 @@ def pool_states_folder(answers_name: str, layers: tuple[int, ...]) -> Path:
 
 
 class StateRecorder:
-    """Records, while ``model`` generates a left-padded batch (transformers' ``generate``: one pass over the
-    prompts, then one token per pass), the outputs of the EAGLE ``layers`` (indices into ``output_hidden_states``:
-    0 the embeddings, L the final norm's output) and of the final norm; :meth:`sequences` assembles them per row."""
+    """Records, while ``model`` generates a left-padded batch (one pass over the prompts, then one token per pass:
+    :func:`~.batch_generation.generate_batch`), the outputs of the EAGLE ``layers`` (indices into
+    ``output_hidden_states``: 0 the embeddings, L the final norm's output) and of the final norm; :meth:`sequences`
+    assembles them per row. Given as the batch's ``on_pass``, it places a pass over fewer rows (rows that stopped
+    left the batch) at those rows' places, zeros elsewhere."""
 
     def __init__(self, model, layers: tuple[int, ...]) -> None:
         decoder = model.get_decoder()
@@ -64,6 +66,13 @@ class StateRecorder:
         self.sources.append(decoder.norm)
         self.calls: list[list[torch.Tensor]] = [[] for _ in self.sources]
         self.handles: list = []
+        self.rows: torch.Tensor | None = None  # the rows of the batch the current pass computes (None: all)
+        self.batch_size = 0  # the rows of the batch's first pass
+
+    def __call__(self, rows: torch.Tensor) -> None:
+        """Told by the batch which rows its next pass computes."""
+        self.rows = rows.cpu()
+        self.batch_size = self.batch_size or int(rows.numel())
 
     def __enter__(self) -> StateRecorder:
         for slot, module in enumerate(self.sources):
@@ -77,8 +86,12 @@ class StateRecorder:
 
     def _hook(self, slot: int):
         def record(_module, _inputs, output) -> None:
-            hidden = output[0] if isinstance(output, tuple) else output
-            self.calls[slot].append(hidden.detach().to(torch.bfloat16).cpu())
+            hidden = (output[0] if isinstance(output, tuple) else output).detach().to(torch.bfloat16).cpu()
+            if self.rows is not None and self.rows.numel() < self.batch_size:
+                placed = hidden.new_zeros(self.batch_size, *hidden.shape[1:])
+                placed[self.rows] = hidden
+                hidden = placed
+            self.calls[slot].append(hidden)
         return record
 
     def sequences(self, headers: list[list[int]], continuations: list[list[int]], indexes: list[int]) -> list[dict]:
@@ -86,6 +99,7 @@ class StateRecorder:
         width = max(len(header) for header in headers)
         per_source = [torch.cat(calls, dim=1) for calls in self.calls]  # [B, width + passes after the first, H]
         self.calls = [[] for _ in self.sources]
+        self.rows, self.batch_size = None, 0
         records = []
         for row, (header, answer, index) in enumerate(zip(headers, continuations, indexes)):
             fed = len(header) + len(answer) - 1  # positions whose states exist: all but the last token
