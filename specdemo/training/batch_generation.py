@@ -2,23 +2,27 @@
 continuation cut after its first stop token; and the batch size that writes the most tokens per second on the
 machine at hand, measured.
 
-Sampled batches go through transformers' ``generate``. Greedy batches go through :func:`greedy_batch`, a loop of
-the model's own passes over transformers' ``DynamicCache`` in which a row that stopped leaves the batch (its cache
-rows dropped with ``batch_select_indices``): ``generate`` computes every row until the last one stops, and in the
-pool's answer batches (64 rows, up to 256 tokens) 39 % of the rows it computed had stopped already.
+The batches go through a loop of the model's own passes over transformers' ``DynamicCache``
+(:func:`generate_batch`) rather than through ``generate``: ``generate`` computes every row until the last one stops,
+and in the pool's answer batches (64 rows, up to 256 tokens) 39 % of the rows it computed had stopped already. In
+this loop a row that stopped leaves the batch, its cache rows dropped with the cache's ``batch_select_indices``.
+The passes, positions and choices are ``generate``'s: greedy answers are the same token for token (a test), and a
+sampled batch draws from the distribution the project's own sampling uses
+(:func:`~specdemo.core.acceptance.target_distribution`), seeded per batch.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from transformers import DynamicCache
 
 from ..backends.transformers_lm import cache_keyword
+from ..core.acceptance import target_distribution
+from ..core.settings import SamplingSettings
 
 if TYPE_CHECKING:
     from ..backends.loading import LoadedModel
@@ -32,16 +36,7 @@ logger = logging.getLogger(__name__)
 BATCH_SIZES = (32, 64, 128)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """How a batch samples (None in :func:`generate_batch`: greedy); ``seed`` seeds torch's generator per batch."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-
-
-#: called before each pass of :func:`greedy_batch` with the (original) indices of the rows in that pass
+#: called before each pass of :func:`generate_batch` with the (original) indices of the rows in that pass
 PassObserver = Callable[[torch.Tensor], None]
 
 
@@ -54,36 +49,19 @@ def pad_id(loaded: "LoadedModel") -> int:
 
 @torch.inference_mode()
 def generate_batch(loaded: "LoadedModel", headers: Sequence[Sequence[int]], max_new_tokens: int,
-                   stop_ids: Sequence[int], sampling: Sampling | None = None, min_new_tokens: int = 0,
+                   stop_ids: Sequence[int], sampling: SamplingSettings | None = None, min_new_tokens: int = 0,
                    on_pass: PassObserver | None = None) -> list[tuple[list[int], bool]]:
     """Each header's continuation, cut after its first stop token, and whether it stopped (False: it ran to
-    ``max_new_tokens``). ``min_new_tokens``: no row stops before (for timing a batch at a fixed length).
-    ``on_pass`` (greedy only): told which rows each pass computes (:func:`greedy_batch`)."""
-    if sampling is None:
-        return greedy_batch(loaded, headers, max_new_tokens, stop_ids, min_new_tokens, on_pass)
-    if on_pass is not None:
-        raise ValueError("on_pass needs a greedy batch")
-    model = loaded.model
-    padding = pad_id(loaded)
-    ids, mask = _left_padded(headers, padding, next(model.parameters()).device)
-    torch.manual_seed(sampling.seed)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=padding,
-                         eos_token_id=list(stop_ids), min_new_tokens=min_new_tokens, do_sample=True,
-                         temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
-    return [_cut(row, set(stop_ids)) for row in out[:, ids.shape[1]:].tolist()]
-
-
-@torch.inference_mode()
-def greedy_batch(loaded: "LoadedModel", headers: Sequence[Sequence[int]], max_new_tokens: int,
-                 stop_ids: Sequence[int], min_new_tokens: int = 0, on_pass: PassObserver | None = None,
-                 ) -> list[tuple[list[int], bool]]:
-    """Greedy continuations as :func:`generate_batch` returns them, each row leaving the batch once it stopped.
-    The passes are what ``generate`` runs (one over the left-padded headers, then one token a row, positions
-    counted from each row's first real token); ``on_pass`` is called before each with the rows it computes."""
+    ``max_new_tokens``): greedy, or drawn as ``sampling`` says (its ``seed`` seeds the batch). ``min_new_tokens``:
+    no row stops before (for timing a batch at a fixed length). ``on_pass`` is called before each pass with the
+    rows it computes (the headers' indices): a row that stopped leaves the batch."""
     model = loaded.model
     device = next(model.parameters()).device
     ids, mask = _left_padded(headers, pad_id(loaded), device)
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+    generator = None
+    if sampling is not None and not sampling.greedy:
+        generator = torch.Generator(device=device).manual_seed(sampling.seed or 0)
     cache, keyword = DynamicCache(config=model.config), cache_keyword(model)
     rows = torch.arange(len(headers), device=device)  # the headers' indices of the rows still writing
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate counts them
@@ -96,7 +74,7 @@ def greedy_batch(loaded: "LoadedModel", headers: Sequence[Sequence[int]], max_ne
                        logits_to_keep=1, **{keyword: cache}).logits[:, -1]
         if step < min_new_tokens and stops.numel():
             logits[:, stops] = float("-inf")
-        tokens = logits.argmax(-1)
+        tokens = _choose(logits, sampling, generator)
         ended = torch.isin(tokens, stops)
         for row, token, end in zip(rows.tolist(), tokens.tolist(), ended.tolist()):
             continuations[row].append(token)
@@ -112,20 +90,20 @@ def greedy_batch(loaded: "LoadedModel", headers: Sequence[Sequence[int]], max_ne
     return list(zip(continuations, stopped))
 
 
+def _choose(logits: torch.Tensor, sampling: SamplingSettings | None, generator: torch.Generator | None,
+            ) -> torch.Tensor:
+    """Each row's next token: the argmax, or a draw from the warped distribution."""
+    if sampling is None or sampling.greedy:
+        return logits.argmax(-1)
+    return torch.multinomial(target_distribution(logits, sampling), 1, generator=generator).squeeze(1)
+
+
 def _left_padded(headers: Sequence[Sequence[int]], padding: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The headers left padded to the longest: ids and attention mask [B, width]."""
     width = max(len(header) for header in headers)
     ids = torch.tensor([[padding] * (width - len(h)) + list(h) for h in headers], device=device)
     mask = torch.tensor([[0] * (width - len(h)) + [1] * len(h) for h in headers], device=device)
     return ids, mask
-
-
-def _cut(row: list[int], stops: set[int]) -> tuple[list[int], bool]:
-    """A continuation up to and with its first stop token, and whether it had one."""
-    for at, token in enumerate(row):
-        if token in stops:
-            return row[: at + 1], True
-    return row, False
 
 
 def fastest_batch_size(loaded: "LoadedModel", headers: Sequence[Sequence[int]], new_tokens: int = 96,

@@ -11,11 +11,13 @@ long and holds no template marker; a near-identical one is dropped by the pool.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from typing import TYPE_CHECKING
 
-from .batch_generation import Sampling, generate_batch
+from ..core.settings import SamplingSettings
+from .batch_generation import generate_batch
 
 if TYPE_CHECKING:
     from ..backends.loading import LoadedModel
@@ -26,7 +28,7 @@ logger = logging.getLogger(__name__)
 MAX_REQUEST_TOKENS = 160
 MIN_REQUEST_CHARS, MAX_REQUEST_CHARS = 24, 1500
 #: sampling as Magpie's: the model's own distribution, barely trimmed
-REQUEST_SAMPLING = Sampling(temperature=1.0, top_p=0.99)
+REQUEST_SAMPLING = SamplingSettings(temperature=1.0, top_p=0.99)
 #: what the user of each request wants help with (the system message names it)
 DOMAINS = [
     "writing an email or a letter", "a piece of creative writing such as a story or a poem", "editing and improving "
@@ -85,7 +87,7 @@ def write_requests(loaded: "LoadedModel", count: int, seed: int, start: int = 0)
         before, after = pre_query(tokenizer, domain)
         headers.append(tokenizer(before, add_special_tokens=False)["input_ids"])
         stops = _end_of_turn_ids(tokenizer, after, loaded.eos_token_ids)
-    sampling = Sampling(REQUEST_SAMPLING.temperature, REQUEST_SAMPLING.top_p, seed=random.Random(
+    sampling = dataclasses.replace(REQUEST_SAMPLING, seed=random.Random(
         f"requests/{seed}/{start}").randrange(1 << 31))
     written = generate_batch(loaded, headers, MAX_REQUEST_TOKENS, stops, sampling)
     requests = []
