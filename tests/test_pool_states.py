@@ -39,7 +39,7 @@ def test_states_recorded_while_generating_a_padded_batch_are_the_teacher_forced_
     headers = [chat_header(loaded.tokenizer, text) for text in ("Hi.", "Name three rivers of Europe, please.")]
     recorder = StateRecorder(loaded.model, layers)
     with recorder:
-        answers = generate_batch(loaded, headers, 12, loaded.eos_token_ids, min_new_tokens=3)
+        answers = generate_batch(loaded, headers, 12, loaded.eos_token_ids, min_new_tokens=3, on_pass=recorder)
     assert not recorder.handles  # the hooks are gone once the batch is written
     records = recorder.sequences(headers, [ids for ids, _ in answers], [7, 9])
     for header, (answer, _), record in zip(headers, answers, records):
