@@ -31,7 +31,7 @@ SHAPES = {
     "qkv": (1536, 2048, 28), "o": (1536, 1536, 28), "gate/up": (1536, 17920, 28), "down": (8960, 1536, 28),
     "head": (1536, 151936, 1),
 }
-KERNELS = ("fbgemm", "onednn", "int_mm")
+KERNELS = (formats.FBGEMM, formats.ONEDNN, "int_mm")
 
 
 def _median_ms(run: Callable[[], object], repeats: int = 7) -> float:
@@ -44,35 +44,33 @@ def _median_ms(run: Callable[[], object], repeats: int = 7) -> float:
     return statistics.median(timings) * 1000
 
 
+def _layer(weight: torch.Tensor, kernel: str) -> formats.W8A8Linear:
+    """The w8a8 layer over ``weight`` (int8 values) that multiplies with ``kernel`` at every row count."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(weight.float(), requires_grad=False)
+    return formats.W8A8Linear(linear, kernel=kernel)
+
+
 def _kernel_calls(kernel: str, weights: list[torch.Tensor], rows: int) -> Callable[[], None]:
-    """One call per weight of ``rows`` activation rows, as :class:`formats.W8A8Linear` makes them."""
-    out_features, in_features = weights[0].shape
+    """One call per weight of ``rows`` activation rows: the integer sums :class:`formats.W8A8Linear` asks its
+    kernel for, or ``torch._int_mm``'s."""
+    in_features = weights[0].shape[1]
     steps = torch.randint(-formats.W8A8_STEPS, formats.W8A8_STEPS + 1, (rows, in_features)).float()
-    if kernel == "fbgemm":
-        packed = [formats._fbgemm_pack(weight) for weight in weights]
+    if kernel in formats.W8A8_KERNELS:
+        layers = [_layer(weight, kernel) for weight in weights]
 
         def run() -> None:
-            for one in packed:
-                torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-                    steps, 1.0, formats.W8A8_ZERO_POINT, one)
-    elif kernel == "onednn":
-        packed = [torch.ops.onednn.qlinear_prepack(weight, [1, in_features]) for weight in weights]
-        activations = (steps + formats.W8A8_ZERO_POINT).to(torch.uint8)
-        ones, zeros = torch.ones(out_features), torch.zeros(out_features, dtype=torch.long)
+            for layer in layers:
+                layer._integer_sums(steps)
+        return run
+    transposed = [weight.t() for weight in weights]
+    padded = torch.zeros(max(rows, 17), in_features, dtype=torch.int8)  # torch._int_mm wants over 16 rows
+    padded[:rows] = steps.to(torch.int8)
 
-        def run() -> None:
-            for one in packed:
-                torch.ops.onednn.qlinear_pointwise(activations, 1.0, formats.W8A8_ZERO_POINT, one, ones, zeros, None,
-                                                   1.0, 0, torch.float32, "none", [], "")
-    else:
-        transposed = [weight.t() for weight in weights]
-        padded = torch.zeros(max(rows, 17), in_features, dtype=torch.int8)  # torch._int_mm wants over 16 rows
-        padded[:rows] = steps.to(torch.int8)
-
-        def run() -> None:
-            for one in transposed:
-                torch._int_mm(padded, one)
-    return run
+    def run_int_mm() -> None:
+        for one in transposed:
+            torch._int_mm(padded, one)
+    return run_int_mm
 
 
 def probe_kernels(names: list[str], row_counts: list[int], kernels: list[str]) -> None:
@@ -118,12 +116,13 @@ def probe_pass(kernel: str, token_counts: list[int], repeats: int = 6) -> None:
     generator = torch.Generator().manual_seed(0)
     lm = CachedLM(model)
     lm.reset()
-    lm.forward(torch.randint(0, 151000, (128,), generator=generator), all_logits=False)
+    vocab_size = formats.output_rows(model)
+    lm.forward(torch.randint(0, vocab_size, (128,), generator=generator), all_logits=False)
     for tokens in token_counts:
         parts: dict[str, list[float]] = collections.defaultdict(list)
         for repeat in range(repeats + 1):
             spent.clear()
-            ids = torch.randint(0, 151000, (tokens,), generator=generator)
+            ids = torch.randint(0, vocab_size, (tokens,), generator=generator)
             begin = time.perf_counter()
             lm.forward(ids, all_logits=True)
             seconds = time.perf_counter() - begin
