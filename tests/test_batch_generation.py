@@ -52,3 +52,18 @@ def test_sampled_first_tokens_follow_the_warped_distribution(loaded):
     assert (probs == 0).any() and not frequencies[probs == 0].any()
     error = (probs * (1 - probs) / count).sqrt()
     assert ((frequencies - probs).abs() <= 5 * error + 1e-4).all()
+
+
+def test_batch_sizes_are_timed_on_prompts_of_the_middle_lengths(loaded, monkeypatch):
+    """Each size answers headers of like lengths (sorted, from the middle), not the first ones as they come."""
+    from specdemo.training import batch_generation
+
+    batches = []
+    real = batch_generation.generate_batch
+    monkeypatch.setattr(batch_generation, "generate_batch",
+                        lambda loaded, headers, *args, **kwargs: batches.append(list(headers)) or real(
+                            loaded, headers, *args, **kwargs))
+    headers = [[7] * length for length in (30, 2, 9, 5, 40, 3, 7, 4)]
+    batch, rates = batch_generation.fastest_batch_size(loaded, headers, new_tokens=2, sizes=(2, 4))
+    assert batch in (2, 4) and set(rates) == {2, 4}
+    assert [len(h) for h in batches[1]] == [5, 7] and [len(h) for h in batches[2]] == [4, 5, 7, 9]
