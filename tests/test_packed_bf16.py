@@ -57,7 +57,7 @@ def test_a_packed_layer_keeps_its_bias_and_shapes():
     assert "in_features=48, out_features=80, bias=True" in repr(layer)
 
 
-def test_other_formats_and_devices_are_left_alone():
+def test_other_formats_are_left_alone():
     model = qwen2(4)  # float32: nothing to pack
     assert pack_bf16_linears(model) == 0
     assert sum(isinstance(m, nn.Linear) for m in model.modules()) == 7 * 2 + 1
