@@ -9,8 +9,8 @@ Not a test (nothing is asserted): a probe for a quiet machine, alone on the core
 
 ``kernels`` times each integer kernel over int8 weights of the target's shapes (query/key/value stacked, output,
 gate/up stacked, down, LM head; random values, each shape's copies in turn so that nothing stays in cache) through
-the layer's own ``_integer_sums``, the rounded activation rows made before the clock starts, medians of 7. Rows are per call: the two-part layers (down, head) take twice
-a pass's tokens. ``pass`` loads the offline target in w8a8 with the named kernel and times passes over k tokens
+the layer's own ``_integer_sums``, the rounded activation rows made before the clock starts, medians of 7. Rows
+are per call: the two-part layers (down, head) take twice a pass's tokens. ``pass`` loads the offline target in w8a8 with the named kernel and times passes over k tokens
 after 128 cached ones, with the w8a8 layers' calls, their integer kernels and the attention timed apart.
 """
 
