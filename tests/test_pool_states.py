@@ -20,7 +20,9 @@ from specdemo.training.pool_states import (
     final_states,
     pool_states_folder,
     stored,
+    length_batches,
     teacher_forced,
+    teacher_forced_batch,
     write_records,
 )
 from specdemo.training.prompt_pool import PoolPrompt, pool_shards
@@ -60,7 +62,7 @@ def test_states_recorded_while_generating_a_padded_batch_are_the_teacher_forced_
     found = stored(folder)
     assert sorted(found) == [7, 9] and torch.equal(found[9].states, records[1]["states"])
     sequence = {"index": 9, "ids": headers[1] + answers[1][0], "answer_start": len(headers[1])}
-    assert fill_missing(loaded.model, [sequence], folder, layers) >= 0 and len(list(folder.glob("*.pt"))) == 1
+    assert fill_missing(loaded.model, [sequence], folder, layers).missing == 0 and len(list(folder.glob("*.pt"))) == 1
     changed = {**sequence, "ids": sequence["ids"][:-1]}
     fill_missing(loaded.model, [changed, {**changed, "index": 2}], folder, layers)  # a file named from index 2
     assert len(list(folder.glob("*.pt"))) == 2 and stored(folder)[9].ids.tolist() == changed["ids"]
@@ -108,6 +110,56 @@ def _generate(loaded, headers: list[list[int]], max_new_tokens: int, stop: int) 
         cut = row.index(stop) + 1 if stop in row else len(row)
         rows.append((row[:cut], stop in row))
     return rows
+
+
+def test_a_right_padded_batch_gives_each_sequence_its_own_pass_and_the_fill_stops_when_told(target, tmp_path):
+    loaded = load_model(target, LoadSettings(dtype="float32"))
+    layers = default_hidden_layers(target_facts(loaded).num_layers)
+    texts = ("Hi.", "Name three rivers of Europe, please.", "Sort a list in Python.", "Why is the sky blue?")
+    sequences = []
+    for index, text in enumerate(texts):
+        header = chat_header(loaded.tokenizer, text)
+        sequences.append({"index": index, "ids": header + [5 + index] * (3 + 4 * index), "answer_start": len(header)})
+    batched = teacher_forced_batch(loaded.model, sequences, layers)
+    for sequence, record in zip(sequences, batched):
+        alone = teacher_forced(loaded.model, sequence, layers)
+        assert record["ids"].tolist() == sequence["ids"] and record["states"].shape == alone["states"].shape
+        assert torch.allclose(record["states"], alone["states"], atol=1e-5)  # float32: only the sums' order differs
+        assert torch.allclose(record["final"], alone["final"], atol=1e-5)
+        assert torch.equal(record["greedy"], alone["greedy"])
+    # batches sorted by length, none over the budget of padded positions (a longer sequence alone)
+    lengths = sorted(len(s["ids"]) for s in sequences)
+    batches = length_batches(sequences, 2 * lengths[1])
+    assert [len(s["ids"]) for b in batches for s in b] == lengths
+    assert all(len(b) == 1 or len(b) * max(len(s["ids"]) for s in b) <= 2 * lengths[1] for b in batches)
+    asked: list[float] = []
+
+    def one_batch(last_batch: float) -> bool:
+        asked.append(last_batch)
+        return len(asked) == 1
+
+    report = fill_missing(loaded.model, sequences, tmp_path / "states", layers, max_tokens=2 * lengths[1],
+                          keep_going=one_batch)
+    assert report.missing == 4 and report.sequences == len(batches[0]) < 4 and asked[0] == 0.0
+    assert sorted(stored(tmp_path / "states")) == sorted(s["index"] for s in batches[0])
+
+
+def test_the_pools_states_phase_fills_what_the_cache_lacks(target, tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")
+    folder = tmp_path / "pool"
+    prompts = [PoolPrompt("question", f"man:tool{i}.1", f"What does tool {i} print?") for i in range(4)]
+    pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts))
+    common_args = ["--target", target, "--dtype", "float32", "--answer-tokens", "12", "--batch", "2", "--folder",
+                   str(folder)]
+    assert pool.main([*common_args, "--phases", "answers", "--no-states"]) == 0
+    assert not (tmp_path / "home" / "pool-states").exists()
+    assert pool.main([*common_args, "--phases", "states"]) == 0
+    recorded = sorted((tmp_path / "home" / "pool-states").glob("*/*.pt"))
+    assert sorted(stored(recorded[0].parent)) == [0, 1, 2, 3]
+    report = pool._runs(pool.PoolSettings(folder=folder))[-1]
+    assert report["phase"] == "states" and report["rows"] == report["lacking_before"] == 4
+    assert pool.main([*common_args, "--phases", "states"]) == 0  # nothing left: no file written
+    assert sorted((tmp_path / "home" / "pool-states").glob("*/*.pt")) == recorded
 
 
 def test_the_pools_answers_phase_records_the_states_both_trainers_read(target, tmp_path, monkeypatch):

@@ -191,3 +191,14 @@ def test_no_stored_prompt_is_near_identical_to_a_benchmark_prompt():
     close = [(p.text[:80], index.closest(p.text)) for p in prompts if index.closest(p.text) is not None]
     assert not close, close[:3]
     assert len(prompts) >= 10000 and len({p.text for p in prompts}) == len(prompts)
+
+
+def test_answer_batches_are_sorted_by_length_and_bounded_in_padded_prompt_positions(monkeypatch):
+    monkeypatch.setattr(pool, "MAX_PROMPT_POSITIONS", 100)
+    lengths = {0: 30, 1: 10, 2: 12, 3: 40, 4: 11, 5: 150, 6: 20}
+    headers = {index: [1] * length for index, length in lengths.items()}
+    batches = pool.prompt_batches(list(lengths), headers, batch=3)
+    assert [i for b in batches for i in b] == sorted(lengths, key=lengths.get)  # every prompt once, by length
+    assert all(len(b) <= 3 for b in batches)
+    assert all(len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 100 for b in batches)
+    assert batches == [[1, 4, 2], [6, 0], [3], [5]]  # 150 alone: longer than the bound

@@ -249,7 +249,8 @@ def cache_corpus(settings: TrainSettings) -> Corpus:
             answer_states = AnswerStates(pool_states_folder(answers_name(settings.target, settings.dtype,
                                                                          settings.answer_tokens), layers),
                                          {"train": answer_train, "heldout": answer_held})
-            cache_seconds += fill_missing(loaded.model, answer_train + answer_held, answer_states.folder, layers)
+            cache_seconds += fill_missing(loaded.model, answer_train + answer_held, answer_states.folder,
+                                          layers).seconds
         else:
             answer_states = AnswerStates(settings.answers_path())
             cache_seconds += cache_splits(cache, answer_train, answer_held, answer_states.folder)

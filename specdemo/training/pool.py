@@ -1,6 +1,6 @@
 """Build the training pool and the target's answers to it, run by run: ``python -m specdemo.training.pool``.
 
-Three phases, each resumable and each stored under ``assets/training/pool/`` so that a run on another machine
+Four phases, each resumable and each stored under ``assets/training/pool/`` so that a run on another machine
 starts from what earlier runs wrote (commit the folder after a run):
 
 1. **templated**: ``--templated N`` prompts (:func:`~.prompt_pool.templated_prompts`), stored once;
@@ -12,6 +12,9 @@ starts from what earlier runs wrote (commit the folder after a run):
    :data:`~.row_shards.ROWS_PER_SHARD`. The states the trainers learn from are recorded on the way
    (:mod:`.pool_states`, in the user's cache, about 3 MB an answer; ``--no-states`` skips them), so that no second
    pass of the target over the answers is needed.
+4. **states**: the states of stored answers that this machine's cache lacks (answered on another machine, or
+   before the recording existed), by teacher-forced passes over batches of similar lengths, so that the trainers
+   find them all (else the first trainer run fills them at its start). Skipped with ``--no-states``.
 
 On CPUs with native bfloat16 arithmetic the target's linear layers are packed for oneDNN before the requests and
 answers (:mod:`~specdemo.backends.packed_bf16`: bfloat16's answers still, 1.2 times the tokens per second at 64 rows on
@@ -45,7 +48,7 @@ from ..backends.packed_bf16 import PackedBF16Linear, pack_bf16_linears
 from .batch_generation import BATCH_SIZES, fastest_batch_size, generate_batch
 from .common import chat_header
 from .magpie import write_requests
-from .pool_states import StateRecorder, pool_states_folder, write_records
+from .pool_states import StateRecorder, fill_missing, pool_states_folder, write_records
 from .prompt_pool import POOL_FOLDER, PoolPrompt, pool_index, pool_shards, read_pool, store_templated
 from .row_shards import RowShards
 
@@ -62,6 +65,9 @@ WINDOW_BATCHES = 8
 REQUEST_BATCH = 128
 #: batches in a row that kept no request before the phase gives up (a model that cannot write requests this way)
 MAX_BARREN_BATCHES = 10
+#: padded prompt positions in one answer batch: the prompts' pass holds every row's attention scores at once (12
+#: heads x width^2 a row); 128 rows of ~1,100 tokens took more than 24 GB on the AMX Xeon and the run was killed
+MAX_PROMPT_POSITIONS = 49152
 #: states are recorded while the disk keeps this much free (a batch of 64 answers writes about 0.2 GB)
 MIN_FREE_BYTES = 8_000_000_000
 
@@ -77,7 +83,7 @@ class PoolSettings:
     batch: str = "auto"
     time_budget_minutes: float | None = None
     folder: Path = POOL_FOLDER
-    phases: tuple[str, ...] = ("templated", "requests", "answers")
+    phases: tuple[str, ...] = ("templated", "requests", "answers", "states")
     #: record the trainers' states while answering (:mod:`.pool_states`)
     states: bool = True
 
@@ -183,12 +189,10 @@ def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
     started, written, tokens, last_batch, recorded = time.perf_counter(), 0, 0, 0.0, 0
     with tqdm(total=len(prompts), initial=len(done), desc="target answering the pool", unit="answer") as bar:
         for window_start in range(0, len(todo), batch * WINDOW_BATCHES):
-            window = sorted(todo[window_start : window_start + batch * WINDOW_BATCHES],
-                            key=lambda i: (len(headers[i]), i))
-            for start in range(0, len(window), batch):
+            window = todo[window_start : window_start + batch * WINDOW_BATCHES]
+            for chunk in prompt_batches(window, headers, batch):
                 if deadline.passed or not deadline.leaves(last_batch):  # a batch as long as the last must fit
                     break
-                chunk = window[start : start + batch]
                 batch_started = time.perf_counter()
                 with recorder or contextlib.nullcontext():
                     answers = generate_batch(loaded, [headers[i] for i in chunk], settings.answer_tokens, stops,
@@ -210,6 +214,38 @@ def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
     return {"phase": "answers", "rows": written, "tokens": tokens, "seconds": round(seconds, 1),
             "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "batch": batch, "batch_rates": rates,
             "states_recorded": recorded}
+
+
+def prompt_batches(window: list[int], headers: dict[int, list[int]], batch: int) -> list[list[int]]:
+    """The prompt indexes of ``window`` sorted by header length and cut into batches of at most ``batch`` rows and
+    :data:`MAX_PROMPT_POSITIONS` padded prompt positions (a longer header alone)."""
+    batches: list[list[int]] = []
+    for index in sorted(window, key=lambda i: (len(headers[i]), i)):
+        current = batches[-1] if batches else None
+        if current and len(current) < batch and len(headers[index]) * (len(current) + 1) <= MAX_PROMPT_POSITIONS:
+            current.append(index)
+        else:
+            batches.append([index])
+    return batches
+
+
+def fill_states(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadline) -> dict:
+    """Phase 4: the states of the stored answers that this machine's cache lacks (answers written elsewhere or
+    before the recording existed), by teacher-forced passes over batches of similar lengths
+    (:func:`~.pool_states.fill_missing`), so that the trainers find every state they read."""
+    prompts = read_pool(settings.folder)
+    answers = read_answers(settings, prompts)
+    sequences = []
+    for index in sorted(answers):
+        header = chat_header(loaded.tokenizer, prompts[index].text)
+        sequences.append({"index": index, "ids": header + answers[index]["answer_ids"], "answer_start": len(header)})
+    layers = default_hidden_layers(target_facts(loaded).num_layers)
+    folder = pool_states_folder(answers_name(settings.target, settings.dtype, settings.answer_tokens), layers)
+    filled = fill_missing(loaded.model, sequences, folder, layers, keep_going=lambda last_batch: not deadline.passed
+                          and deadline.leaves(last_batch) and enough_disk(folder))
+    return {"phase": "states", "rows": filled.sequences, "lacking_before": filled.missing,
+            "positions": filled.positions, "seconds": round(filled.seconds, 1),
+            "positions_per_s": round(filled.positions / max(filled.seconds, 1e-9), 1)}
 
 
 def store_states(recorder: StateRecorder, folder: Path, headers: list[list[int]], answers: list[list[int]],
@@ -300,7 +336,7 @@ def build(settings: PoolSettings) -> list[dict]:
         if len(prompts) > before:
             reports.append({"phase": "templated", "rows": len(prompts) - before,
                             "seconds": round(time.perf_counter() - started, 1)})
-    if not {"requests", "answers"} & set(settings.phases):
+    if not {"requests", "answers", "states"} & set(settings.phases):
         return reports
     loaded = load_model(settings.target, LoadSettings(dtype=settings.dtype), progress=True)
     packed = pack_bf16_linears(loaded.model) if loaded.device.type == "cpu" else 0
@@ -308,6 +344,8 @@ def build(settings: PoolSettings) -> list[dict]:
         reports.append(add_requests(loaded, settings, deadline))
     if "answers" in settings.phases and not deadline.passed:
         reports.append(answer_pool(loaded, settings, deadline))
+    if "states" in settings.phases and settings.states and not deadline.passed:
+        reports.append(fill_states(loaded, settings, deadline))
     for report in reports:
         if report["phase"] != "templated":
             report["packed_bf16_layers"] = packed
@@ -328,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-budget-minutes", type=float, default=None)
     parser.add_argument("--folder", type=Path, default=defaults.folder, help="where the pool is stored")
     parser.add_argument("--phases", default=",".join(defaults.phases),
-                        help="which of templated, requests, answers to run (comma-separated)")
+                        help="which of templated, requests, answers, states to run (comma-separated)")
     parser.add_argument("--no-states", action="store_false", dest="states",
                         help="answer without recording the states the trainers learn from (about 3 MB an answer)")
     args = parser.parse_args(argv)
