@@ -328,6 +328,16 @@ def test_the_pools_stored_answers_join_the_corpus_and_a_missing_one_is_refused(p
     assert counts["held_out_sequences"] >= 1 and counts["answer_positions"] > 7  # prompts 0 and 3 held out
     figures = report["held_out"]["pool_answers"]
     assert len(figures["top1_per_step"]) == 3 and all(0.0 <= a <= 1.0 for a in figures["top1_per_step"])
+    # a part of the pool, trained further from that head: the starting head measured on the same held-out splits
+    part = tiny_settings(tmp_path, pair, answers=0, pool_part="2/2", pool_folder=folder, epochs=1,
+                         init_from=settings.out, out=tmp_path / "part")
+    further = train(part)
+    assert further["pool_answers"]["training_sequences"] + further["pool_answers"]["held_out_sequences"] <= 4
+    assert further["held_out_at_start"].keys() == further["held_out"].keys()
+    assert further["held_out_at_start"]["pool_answers"]["positions"] == further["held_out"]["pool_answers"]["positions"]
+    assert "held_out_at_start" not in report  # measured only for a head trained further
+    with pytest.raises(ValueError, match="--pool-answers and --pool-part: choose one"):
+        train(tiny_settings(tmp_path, pair, answers=0, pool_answers=7, pool_part="1/2", pool_folder=folder))
 
 
 def test_passage_prompts_quote_the_chat_answer_of_their_index_and_none_is_a_benchmark_prompt():
@@ -450,7 +460,7 @@ def test_the_command_line_lists_one_flag_per_setting(capsys):
     assert stop.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--target", "--out", "--dtype", "--seed", "--sequences", "--held-out-sequences", "--answers", "--chat-answers",
-                 "--passage-answers", "--pool-answers", "--pool-folder", "--init-from",
+                 "--passage-answers", "--pool-answers", "--pool-part", "--pool-folder", "--init-from",
                  "--epochs", "--steps-unrolled", "--draft-vocab-size", "--learning-rate", "--batch-tokens",
                  "--time-budget-minutes"):
         assert flag in text

@@ -119,4 +119,6 @@ def test_the_pools_stored_answers_train_the_heads_instead_of_generated_ones(tmp_
     assert not settings.answers_path().exists()  # nothing generated: the pool's answers were read
     with pytest.raises(ValueError, match="choose one"):
         train(TrainSettings(**{**settings.__dict__, "answers": 4}))
+    part = train(TrainSettings(**{**settings.__dict__, "pool_answers": 0, "pool_part": "1/2", "out": tmp_path / "p"}))
+    assert part["answers"]["training_sequences"] + part["answers"]["held_out_sequences"] <= 3  # half of the six
 

@@ -202,3 +202,18 @@ def test_answer_batches_are_sorted_by_length_and_bounded_in_padded_prompt_positi
     assert all(len(b) <= 3 for b in batches)
     assert all(len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 100 for b in batches)
     assert batches == [[1, 4, 2], [6, 0], [3], [5]]  # 150 alone: longer than the bound
+
+
+def test_the_pool_cuts_into_parts_that_cover_it_once_and_mix_its_kinds():
+    parts = [pool.part_indexes(12228, f"{k}/4") for k in range(1, 5)]
+    assert sorted(i for part in parts for i in part) == list(range(12228))  # every prompt in exactly one part
+    assert {len(part) for part in parts} == {3057} and parts[0] == sorted(parts[0])
+    assert pool.part_indexes(12228, "1/4") == parts[0]  # the same cut every time, on every machine
+    prompts = prompt_pool.read_pool(prompt_pool.POOL_FOLDER)
+    share = {kind: sum(p.kind == kind for p in prompts) / len(prompts) for kind in {p.kind for p in prompts}}
+    for part in (pool.part_indexes(len(prompts), f"{k}/4") for k in range(1, 5)):
+        for kind, whole in share.items():  # each part mixes the kinds as the pool does
+            assert abs(sum(prompts[i].kind == kind for i in part) / len(part) - whole) < 0.03
+    for bad in ("0/4", "5/4", "x", "1/2/3"):
+        with pytest.raises(ValueError, match="--pool-part"):
+            pool.part_indexes(100, bad)

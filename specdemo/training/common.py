@@ -102,6 +102,16 @@ class CorpusSettings:
                           self.seed, self.answers, self.answer_tokens, self.generation_batch,
                           getattr(self, "chat_answers", 0), getattr(self, "passage_answers", 0))
 
+    def uses_pool(self) -> bool:
+        """Whether the heads learn from the prompt pool's stored answers (``--pool-answers`` or ``--pool-part``)."""
+        return bool(self.pool_answers or self.pool_part)
+
+    def pool_selection(self) -> list:
+        """Which of the pool's answers, as the training keys hold it (one of the two flags; refused when both)."""
+        if self.pool_answers and self.pool_part:
+            raise ValueError("--pool-answers and --pool-part: choose one (the first N prompts, or part K of P)")
+        return [self.pool_answers] if self.pool_answers else ["part", self.pool_part]
+
     def cache_path(self) -> Path:
         return self.cache_dir if self.cache_dir is not None else self.cache_root / self.corpus_key()
 
@@ -185,6 +195,9 @@ def add_corpus_arguments(parser: argparse.ArgumentParser, defaults: CorpusSettin
     parser.add_argument("--pool-answers", type=int, default=defaults.pool_answers,
                         help="the target's stored answers to the prompt pool's first N prompts (written by python -m "
                              "specdemo.training.pool; 0 = none)")
+    parser.add_argument("--pool-part", default=defaults.pool_part, metavar="K/P",
+                        help="instead of --pool-answers: the stored answers to part K of P of the whole pool (the "
+                             "pool shuffled with a fixed seed, then cut; each part mixes every kind of prompt)")
     parser.add_argument("--pool-folder", type=Path, default=defaults.pool_folder,
                         help="where the prompt pool and its answers are stored")
     parser.add_argument("--epochs", type=int, default=defaults.epochs)

@@ -126,6 +126,8 @@ class TrainSettings(CorpusSettings):
     #: the target's stored answers to the prompt pool's first N prompts (``python -m specdemo.training.pool``),
     #: read from ``pool_folder``
     pool_answers: int = 0
+    #: instead: the stored answers to part "K/P" of the whole pool (:func:`.pool.part_indexes`)
+    pool_part: str = ""
     pool_folder: Path = POOL_FOLDER
     answer_tokens: int = 256
     generation_batch: int = 32
@@ -162,7 +164,7 @@ class TrainSettings(CorpusSettings):
         init = [self.init] if self.init != "random" else []  # absent for random: earlier checkpoints still resume
         chat = [self.chat_answers_key(), self.chat_answers] if self.chat_answers else []  # absent: earlier keys hold
         passage = [self.passage_answers_key(), self.passage_answers] if self.passage_answers else []
-        pool = [self.pool_answers_name(), self.pool_answers] if self.pool_answers else []
+        pool = [self.pool_answers_name(), *self.pool_selection()] if self.uses_pool() else []
         start = [_weights_digest(self.init_from)] if self.init_from is not None else []
         keyed = [self.corpus_key(), self.answers_key() if self.answers else None, *chat, *passage, *pool, *start, self.epochs,
                  self.steps_unrolled, self.learning_rate, self.batch_tokens, self.train_dtype, self.loss_decay,
@@ -333,13 +335,12 @@ def answer_sets(settings: TrainSettings, loaded: LoadedModel, spec: CorpusSpec,
                               lambda: passage_prompts(chat_rows, settings.seed), settings.passage_answers))
         seconds, cached = sets[-1].prepare(loaded, spec, layers)
         answer_seconds, cache_seconds = answer_seconds + seconds, cache_seconds + cached
-    if settings.pool_answers:
+    if settings.uses_pool():
         name = settings.pool_answers_name()
         folder = pool_states_folder(name, layers)
-        sets.append(AnswerSet("pool_answers", name, folder, folder, None, settings.pool_answers,
-                              stored=lambda: pool_answer_rows(settings.target, settings.dtype, settings.answer_tokens,
-                                                              settings.pool_answers, settings.pool_folder),
-                              shared=True))
+        rows = pool_answer_rows(settings.target, settings.dtype, settings.answer_tokens, settings.pool_answers,
+                                settings.pool_folder, settings.pool_part)
+        sets.append(AnswerSet("pool_answers", name, folder, folder, None, len(rows), stored=lambda: rows, shared=True))
         seconds, cached = sets[-1].prepare(loaded, spec, layers)
         answer_seconds, cache_seconds = answer_seconds + seconds, cache_seconds + cached
     return [answer_set for answer_set in sets if answer_set.count], answer_seconds, cache_seconds
@@ -590,9 +591,9 @@ def train_epochs(settings: TrainSettings, run: HeadRun, splits: Splits, deadline
 
 
 def ship(settings: TrainSettings, corpus: Corpus, splits: Splits, run: HeadRun, progress: Progress,
-         started: float) -> dict:
+         started: float, at_start: dict | None = None) -> dict:
     """Evaluate the head as written on every held-out split, write it (checked to load as it ships) and its
-    ``training.json``; the report."""
+    ``training.json`` (with ``at_start``, the figures of ``--init-from``'s head on the same splits); the report."""
     eval_started = time.perf_counter()
     held = held_out_figures(settings, run, splits.held_out())
     eval_seconds = time.perf_counter() - eval_started
@@ -635,6 +636,7 @@ def ship(settings: TrainSettings, corpus: Corpus, splits: Splits, run: HeadRun, 
                     "total": round(time.perf_counter() - started, 1)},
         "last_train_loss_per_step": [round(v, 4) for v in progress.last_losses],
         "held_out": held,
+        **({"held_out_at_start": at_start} if at_start else {}),
         "held_out_per_epoch": progress.per_epoch,
         "torch_threads": torch.get_num_threads(),
         "weights_sha256": digest,
@@ -653,8 +655,10 @@ def train(settings: TrainSettings) -> dict:
     corpus, target = prepare_corpus(settings)
     splits = load_splits(settings.cache_path(), corpus.sets)
     run = prepare_training(settings, target, splits)
+    # the head it starts from, measured on the same held-out splits: what training must beat
+    at_start = held_out_figures(settings, run, splits.held_out()) if settings.init_from is not None else None
     progress = train_epochs(settings, run, splits, deadline)
-    return ship(settings, corpus, splits, run, progress, started)
+    return ship(settings, corpus, splits, run, progress, started, at_start)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,13 +88,16 @@ class TrainSettings(CorpusSettings):
     generation_batch: int = 32
     #: instead of --answers: the target's stored answers to the prompt pool's first N prompts, from ``pool_folder``
     pool_answers: int = 0
+    #: instead: the stored answers to part "K/P" of the whole pool (:func:`.pool.part_indexes`)
+    pool_part: str = ""
     pool_folder: Path = POOL_FOLDER
     extra: dict = field(default_factory=dict)
 
     def answer_rows(self, loaded, spec) -> list[dict]:
         """The answers the heads learn from: the pool's stored ones, else generated (or reused) for --answers."""
-        if self.pool_answers:
-            return pool_answer_rows(self.target, self.dtype, self.answer_tokens, self.pool_answers, self.pool_folder)
+        if self.uses_pool():
+            return pool_answer_rows(self.target, self.dtype, self.answer_tokens, self.pool_answers, self.pool_folder,
+                                    self.pool_part)
         return generate_answers(loaded, spec, self.answers_path() / ANSWERS_FILE)
 
     def corpus_key(self) -> str:
@@ -239,12 +242,12 @@ def cache_corpus(settings: TrainSettings) -> Corpus:
     answer_seconds = 0.0
     answer_counts: dict = {}
     answer_states = None
-    if settings.answers or settings.pool_answers:
+    if settings.answers or settings.uses_pool():
         answer_started = time.perf_counter()
         answers = settings.answer_rows(loaded, spec)
         answer_seconds = time.perf_counter() - answer_started
         answer_train, answer_held = answer_sequences(loaded.tokenizer, answers, spec)
-        if settings.pool_answers:  # the states shared with the EAGLE trainer, mostly recorded while answering
+        if settings.uses_pool():  # the states shared with the EAGLE trainer, mostly recorded while answering
             layers = default_hidden_layers(target_facts(loaded).num_layers)
             answer_states = AnswerStates(pool_states_folder(answers_name(settings.target, settings.dtype,
                                                                          settings.answer_tokens), layers),
@@ -414,8 +417,9 @@ def ship(settings: TrainSettings, corpus: Corpus, states: States, run: HeadsRun,
 
 def train(settings: TrainSettings) -> dict:
     """The whole run: corpus, cache, training, held-out accuracy, heads written to ``settings.out``."""
-    if settings.answers and settings.pool_answers:
-        raise ValueError("--answers and --pool-answers: the Medusa trainer learns from one set of answers, choose one")
+    if settings.answers and settings.uses_pool():
+        raise ValueError("--answers and --pool-answers or --pool-part: the Medusa trainer learns from one set of "
+                         "answers, choose one")
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
     corpus = cache_corpus(settings)
@@ -426,8 +430,8 @@ def train(settings: TrainSettings) -> dict:
 
 
 def _train_key(settings: TrainSettings) -> list:
-    pool = [answers_name(settings.target, settings.dtype, settings.answer_tokens), settings.pool_answers] \
-        if settings.pool_answers else []
+    pool = [answers_name(settings.target, settings.dtype, settings.answer_tokens), *settings.pool_selection()] \
+        if settings.uses_pool() else []
     return [settings.corpus_key(), settings.answers_key() if settings.answers else None, *pool, settings.num_heads,
             settings.head_tokens, settings.epochs, settings.batch_size,
             settings.learning_rate, settings.loss_decay]

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import platform
+import random
 import shutil
 import sys
 import time
@@ -70,6 +71,8 @@ MAX_BARREN_BATCHES = 10
 MAX_PROMPT_POSITIONS = 49152
 #: states are recorded while the disk keeps this much free (a batch of 64 answers writes about 0.2 GB)
 MIN_FREE_BYTES = 8_000_000_000
+#: the shuffle that cuts the pool into parts (``--pool-part``): fixed, so part K is the same prompts everywhere
+PART_SEED = 0
 
 
 @dataclass
@@ -104,20 +107,45 @@ def read_answers(settings: PoolSettings, prompts: list[PoolPrompt]) -> dict[int,
             if index < len(prompts) and row.get("prompt") == prompts[index].text}
 
 
-def pool_answer_rows(target: str, fmt: str, answer_tokens: int, count: int, folder: Path = POOL_FOLDER) -> list[dict]:
+def pool_answer_rows(target: str, fmt: str, answer_tokens: int, count: int, folder: Path = POOL_FOLDER,
+                     part: str = "") -> list[dict]:
     """The target's stored answers to the pool's first ``count`` prompts, in index order, as the trainers read
-    answers (``index``, ``kind``, ``prompt``, ``answer_ids``); refused in one line when any is missing."""
+    answers (``index``, ``kind``, ``prompt``, ``answer_ids``), or with ``part`` ("K/P") to :func:`part_indexes`'
+    prompts of the whole pool; refused in one line when any is missing."""
     settings = PoolSettings(target, fmt, answer_tokens=answer_tokens, folder=folder)
     prompts = read_pool(folder)
     if count > len(prompts):
         raise ValueError(f"the prompt pool holds {len(prompts)} prompts, fewer than the {count} asked for")
-    answers = read_answers(settings, prompts[:count])
-    missing = [i for i in range(count) if i not in answers]
+    wanted = part_indexes(len(prompts), part) if part else list(range(count))
+    answers = read_answers(settings, [prompts[i] for i in range(max(wanted, default=-1) + 1)])
+    missing = [i for i in wanted if i not in answers]
     if missing:
-        raise ValueError(f"{len(missing)} of the pool's first {count} prompts have no stored answer from {target} in "
+        asked = f"prompts of part {part}" if part else f"first {count} prompts"
+        raise ValueError(f"{len(missing)} of the pool's {asked} have no stored answer from {target} in "
                          f"{fmt} (first: {missing[0]}): run python -m specdemo.training.pool --target {target} "
                          f"--dtype {fmt} --phases answers")
-    return [answers[i] for i in range(count)]
+    return [answers[i] for i in wanted]
+
+
+def parse_part(part: str) -> tuple[int, int]:
+    """``"K/P"`` as (K, P), refused in one line unless 1 <= K <= P."""
+    try:
+        number, parts = (int(field) for field in part.split("/"))
+    except ValueError:
+        raise ValueError(f"--pool-part {part!r}: write K/P, part K of P (for example 1/4)") from None
+    if not 1 <= number <= parts:
+        raise ValueError(f"--pool-part {part}: K must be 1 to P")
+    return number, parts
+
+
+def part_indexes(size: int, part: str) -> list[int]:
+    """The prompt indexes of part K of P of a pool of ``size`` prompts, in index order: the indexes shuffled with
+    :data:`PART_SEED` (the same order on every machine and for every trainer), then cut into P runs of nearly
+    equal length; each run mixes the pool's kinds as the whole pool does."""
+    number, parts = parse_part(part)
+    order = list(range(size))
+    random.Random(PART_SEED).shuffle(order)
+    return sorted(order[size * (number - 1) // parts: size * number // parts])
 
 
 class Deadline:
