@@ -29,15 +29,8 @@ from specdemo.training.common import (
     generate_answers,
     is_held_out,
 )
-from specdemo.training.eagle import (
-    MAX_HEAD_BYTES,
-    TrainSettings,
-    draft_vocabulary,
-    head_bytes,
-    head_fields,
-    pass_through_init,
-    train,
-)
+from specdemo.training.eagle import TrainSettings, train
+from specdemo.training.eagle_shape import MAX_HEAD_BYTES, draft_vocabulary, head_bytes, head_fields, pass_through_init
 from specdemo.training.eagle_unrolled import Split, load_split, make_batch, unrolled_forward
 
 BENCHMARK_FILES = {"prompts.jsonl", "question.jsonl"}

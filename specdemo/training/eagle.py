@@ -49,14 +49,13 @@ from tqdm import tqdm
 
 from ..backends.eagle3_checkpoint import (
     TargetFacts,
-    llama_fields,
     load_head,
     save_head,
     target_facts,
     weights_file,
 )
 from ..backends.eagle3_head import EagleConfig, EagleHead, default_hidden_layers
-from ..backends.formats import output_rows, output_weight
+from ..backends.formats import output_weight
 from ..core.files import file_sha256
 from .common import (
     CACHE_HOME,
@@ -71,6 +70,7 @@ from .common import (
 )
 from .corpus import chat_prompts, passage_prompts
 from .eagle_cache import AnswerSet, cache_split
+from .eagle_shape import MAX_HEAD_BYTES, SHIP_DTYPE, draft_vocabulary, head_fields, pass_through_init
 from .pool import answers_name, pool_answer_rows
 from .pool_states import pool_states_folder
 from .prompt_pool import POOL_FOLDER
@@ -93,14 +93,8 @@ logger = logging.getLogger(__name__)
 CACHE_ROOT = CACHE_HOME / "eagle-train"
 #: bumped when what a shard holds changes
 CACHE_FORMAT = 1
-#: the most bytes the head's weights file may take (the size picked for ``--intermediate-size 0``)
-MAX_HEAD_BYTES = 40_000_000
-#: the dtype the head is written in
-SHIP_DTYPE = torch.bfloat16
 #: seconds between checkpoints inside an epoch
 CHECKPOINT_SECONDS = 300.0
-#: MLP widths tried for ``--intermediate-size 0`` are multiples of this
-WIDTH_STEP = 128
 
 
 #: how the head starts (``--init``) and the dtypes its matmuls may train in (``--train-dtype``)
@@ -173,31 +167,7 @@ class TrainSettings(CorpusSettings):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the head's shape
-
-
-def head_fields(model, draft_vocab_size: int, intermediate_size: int) -> dict:
-    """EagleConfig fields for a head on ``model``: its attention shape and rope, the layers EAGLE-3 reads, an
-    LM head shared with the target; ``intermediate_size`` 0 picks the widest MLP that fits :data:`MAX_HEAD_BYTES`."""
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    fields = llama_fields(text.to_dict())
-    vocab = output_rows(model)
-    fields.update(
-        vocab_size=vocab,
-        draft_vocab_size=min(draft_vocab_size, vocab),
-        hidden_layers=default_hidden_layers(int(text.num_hidden_layers)),
-        attention_bias=False,
-        shared_lm_head=True,
-    )
-    if intermediate_size <= 0:
-        widest = int(fields["intermediate_size"]) or WIDTH_STEP  # never wider than the target's own MLP
-        intermediate_size = min(WIDTH_STEP, widest)
-        while intermediate_size + WIDTH_STEP <= widest and head_bytes(
-            EagleConfig(**{**fields, "intermediate_size": intermediate_size + WIDTH_STEP})
-        ) <= MAX_HEAD_BYTES:
-            intermediate_size += WIDTH_STEP
-    fields["intermediate_size"] = intermediate_size
-    return fields
+# the run
 
 
 def _weights_digest(source: Path) -> str:
@@ -206,42 +176,8 @@ def _weights_digest(source: Path) -> str:
     return file_sha256(path) if path is not None else str(source)
 
 
-def head_bytes(config: EagleConfig) -> int:
-    """About what the head's weights file takes: its parameters in :data:`SHIP_DTYPE`, ``d2t`` (int64) and
-    ``t2d`` (one byte per target id), and the file's header."""
-    itemsize = torch.empty((), dtype=SHIP_DTYPE).element_size()
-    return itemsize * config.parameter_count() + 8 * config.draft_vocab_size + config.vocab_size + 8192
-
-
-def draft_vocabulary(labels: torch.Tensor, size: int, vocab_size: int, eos_ids: list[int]) -> torch.Tensor:
-    """The ``size`` target ids most often the target's greedy token in ``labels`` (ties: the lower id), the EOS
-    ids always among them, then the lowest unused ids if too few tokens occur; sorted."""
-    counts = torch.bincount(labels[labels >= 0].long(), minlength=vocab_size)[:vocab_size]
-    order = torch.sort(-counts, stable=True).indices
-    chosen = list(dict.fromkeys([i for i in eos_ids if 0 <= i < vocab_size] + order.tolist()))[:size]
-    return torch.tensor(sorted(chosen), dtype=torch.long)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the run
-
-
 def _trainable_state(head: EagleHead) -> dict:
     return {name: tensor for name, tensor in head.state_dict().items() if name != "lm_head.weight"}
-
-
-def pass_through_init(head: EagleHead) -> None:
-    """Start the head as a copy of the target's top: the feature is the highest fused layer's state (the fc's
-    last block the identity, the rest zero) and the decoder layer's attention and MLP add nothing yet (their
-    output projections zero), so the first draft step scores what the target's LM head makes of that state."""
-    size = head.config.hidden_size
-    with torch.no_grad():
-        head.fc.weight.zero_()
-        head.fc.weight[:, -size:] = torch.eye(size)
-        head.midlayer.self_attn.o_proj.weight.zero_()
-        if head.midlayer.self_attn.o_proj.bias is not None:
-            head.midlayer.self_attn.o_proj.bias.zero_()
-        head.midlayer.mlp.down_proj.weight.zero_()
 
 
 def check_choices(settings: TrainSettings) -> None:
