@@ -56,6 +56,7 @@ from ..backends.eagle3_checkpoint import (
 )
 from ..backends.eagle3_head import EagleConfig, EagleHead, default_hidden_layers
 from ..backends.formats import output_weight
+from ..backends.packed_bf16 import pack_bf16_linears
 from ..core.files import file_sha256
 from .common import (
     CACHE_HOME,
@@ -289,6 +290,8 @@ def prepare_corpus(settings: TrainSettings) -> tuple[Corpus, TargetParts]:
 
     loaded = load_model(settings.target, LoadSettings(dtype=settings.dtype), progress=True)
     target = target_parts(settings, loaded)  # --init-from checked before any answer or cache is made
+    if loaded.device.type == "cpu":  # the passes that answer and cache, about 1.1x faster packed for oneDNN
+        pack_bf16_linears(loaded.model)
     spec = settings.corpus_spec()
     train_seqs, held_seqs, cache_seconds = code_corpus(
         loaded.tokenizer, spec, settings.cache_path(), partial(cache_split, loaded.model, layers=target.layers))

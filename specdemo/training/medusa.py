@@ -39,6 +39,7 @@ from tqdm import tqdm
 from ..backends.eagle3_checkpoint import target_facts
 from ..backends.eagle3_head import default_hidden_layers
 from ..backends.medusa_heads import MedusaConfig, MedusaHeads
+from ..backends.packed_bf16 import pack_bf16_linears
 from .common import (
     ANSWERS_FILE,
     CACHE_HOME,
@@ -236,6 +237,8 @@ def cache_corpus(settings: TrainSettings) -> Corpus:
 
     loaded = load_model(settings.target, LoadSettings(dtype=settings.dtype), progress=True)
     head_weight = loaded.model.get_output_embeddings().weight.detach()
+    if loaded.device.type == "cpu":  # the passes that answer and cache, about 1.1x faster packed for oneDNN
+        pack_bf16_linears(loaded.model)
     spec = settings.corpus_spec()
     cache = partial(cache_split, loaded.model, max_heads=settings.num_heads)
     train_seqs, held_seqs, cache_seconds = code_corpus(loaded.tokenizer, spec, settings.cache_path(), cache)
