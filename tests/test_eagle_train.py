@@ -329,6 +329,9 @@ def test_the_pools_stored_answers_join_the_corpus_and_a_missing_one_is_refused(p
     assert further["held_out_at_start"].keys() == further["held_out"].keys()
     assert further["held_out_at_start"]["pool_answers"]["positions"] == further["held_out"]["pool_answers"]["positions"]
     assert "held_out_at_start" not in report  # measured only for a head trained further
+    assert [run["weights_sha256"] for run in further["lineage"]] == [report["weights_sha256"], further["weights_sha256"]]
+    assert further["lineage"][1]["training_positions"] == further["pool_answers"]["training_positions"] + \
+        further["corpus"]["training_positions"]
     with pytest.raises(ValueError, match="--pool-answers and --pool-part: choose one"):
         train(tiny_settings(tmp_path, pair, answers=0, pool_answers=7, pool_part="1/2", pool_folder=folder))
 

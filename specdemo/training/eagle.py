@@ -94,6 +94,8 @@ logger = logging.getLogger(__name__)
 CACHE_ROOT = CACHE_HOME / "eagle-train"
 #: bumped when what a shard holds changes
 CACHE_FORMAT = 1
+#: the answer sets a run may learn from, by their names in ``training.json``
+ANSWER_SETS = ("answers", "chat_answers", "passage_answers", "pool_answers")
 #: seconds between checkpoints inside an epoch
 CHECKPOINT_SECONDS = 300.0
 
@@ -558,8 +560,7 @@ def ship(settings: TrainSettings, corpus: Corpus, splits: Splits, run: HeadRun, 
             "training_files": len({s["file"] for s in train_seqs}),
             "held_out_files": len({s["file"] for s in held_seqs}),
         },
-        **{name: next((a.counts for a in corpus.sets if a.name == name), None)
-           for name in ("answers", "chat_answers", "passage_answers", "pool_answers")},
+        **{name: next((a.counts for a in corpus.sets if a.name == name), None) for name in ANSWER_SETS},
         "head": {
             "hidden_layers": list(config.hidden_layers),
             "intermediate_size": config.intermediate_size,
@@ -580,9 +581,33 @@ def ship(settings: TrainSettings, corpus: Corpus, splits: Splits, run: HeadRun, 
         "torch_threads": torch.get_num_threads(),
         "weights_sha256": digest,
     }
+    report["lineage"] = lineage(settings.init_from, report)
     report.update(settings.extra)
     write_training_json(settings.out, report)
     return report
+
+
+def trained_positions(record: dict) -> int:
+    """The positions a ``training.json`` says its run trained on: the library text's and each answer set's."""
+    return int((record.get("corpus") or {}).get("training_positions", 0)) + sum(
+        int((record.get(name) or {}).get("training_positions", 0)) for name in ANSWER_SETS)
+
+
+def lineage(start: Path | None, record: dict) -> list[dict]:
+    """Every run that trained the head, first to last: ``start``'s (a head trained further: the lineage its
+    ``training.json`` holds, else that run alone), then the run of ``record``; each with its command, head,
+    positions, epochs and seconds, so a head trained part by part says what it learned from in all."""
+    def summary(run: dict) -> dict:
+        return {"command": run.get("command"), "weights_sha256": run.get("weights_sha256"),
+                "training_positions": trained_positions(run), "epochs": (run.get("settings") or {}).get("epochs"),
+                "train_seconds": (run.get("seconds") or {}).get("train"),
+                "cache_seconds": (run.get("seconds") or {}).get("cache")}
+
+    earlier: list[dict] = []
+    if start is not None and (Path(start) / "training.json").is_file():
+        before = json.loads((Path(start) / "training.json").read_text())
+        earlier = before.get("lineage") or [summary(before)]
+    return [*earlier, summary(record)]
 
 
 def train(settings: TrainSettings) -> dict:
