@@ -119,6 +119,14 @@ def test_the_pools_stored_answers_train_the_heads_instead_of_generated_ones(tmp_
     assert not settings.answers_path().exists()  # nothing generated: the pool's answers were read
     with pytest.raises(ValueError, match="choose one"):
         train(TrainSettings(**{**settings.__dict__, "answers": 4}))
-    part = train(TrainSettings(**{**settings.__dict__, "pool_answers": 0, "pool_part": "1/2", "out": tmp_path / "p"}))
+    # half of the pool, trained further from those heads: the starting heads measured on the same held-out text
+    part = train(TrainSettings(**{**settings.__dict__, "pool_answers": 0, "pool_part": "1/2", "out": tmp_path / "p",
+                                  "init_from": settings.out}))
     assert part["answers"]["training_sequences"] + part["answers"]["held_out_sequences"] <= 3  # half of the six
+    assert part["held_out_at_start"].keys() == {"standard_library", "answers"} and "held_out_at_start" not in report
+    assert len(part["held_out_at_start"]["answers"]) == 2
+    assert [run["weights_sha256"] for run in part["lineage"]] == [report["weights_sha256"], part["weights_sha256"]]
+    train(TrainSettings(**{**settings.__dict__, "num_heads": 1, "out": tmp_path / "one", "cache_dir": tmp_path / "c1"}))
+    with pytest.raises(ValueError, match="1 heads scoring 0 tokens, these settings train 2 scoring 0"):
+        train(TrainSettings(**{**settings.__dict__, "init_from": tmp_path / "one"}))
 

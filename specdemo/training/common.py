@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from ..backends.offline import cache_home
-from ..core.files import atomic_path
+from ..core.files import atomic_path, file_sha256
 from .batch_generation import generate_batch
 from .corpus import (
     CHAT_PROMPTS_VERSION,
@@ -426,3 +426,39 @@ def run_record(module: str, settings: CorpusSettings) -> dict:
 def write_training_json(folder: Path, report: dict) -> None:
     """Write the run's report as ``folder/training.json``."""
     (folder / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+#: the answer sets a run may learn from, by their names in ``training.json`` (the Medusa trainer's: ``answers``)
+ANSWER_SETS = ("answers", "chat_answers", "passage_answers", "pool_answers")
+
+
+def trained_positions(record: dict) -> int:
+    """The positions a ``training.json`` says its run trained on: the library text's and each answer set's."""
+    return int((record.get("corpus") or {}).get("training_positions", 0)) + sum(
+        int((record.get(name) or {}).get("training_positions", 0)) for name in ANSWER_SETS)
+
+
+def folder_digest(folder: Path) -> str:
+    """What names a starting head in a training key: the sha256 of its weights files (``*.safetensors``, ``*.pt``,
+    ``*.bin``), else the folder's name as given."""
+    files = sorted(path for pattern in ("*.safetensors", "*.pt", "*.bin") for path in Path(folder).glob(pattern))
+    if not files:
+        return str(folder)
+    return hashlib.sha256("".join(file_sha256(path) for path in files).encode()).hexdigest()
+
+
+def lineage(start: Path | None, record: dict) -> list[dict]:
+    """Every run that trained the head, first to last: ``start``'s (a head trained further: the lineage its
+    ``training.json`` holds, else that run alone), then the run of ``record``; each with its command, head,
+    positions, epochs and seconds, so a head trained part by part says what it learned from in all."""
+    def summary(run: dict) -> dict:
+        return {"command": run.get("command"), "weights_sha256": run.get("weights_sha256"),
+                "training_positions": trained_positions(run), "epochs": (run.get("settings") or {}).get("epochs"),
+                "train_seconds": (run.get("seconds") or {}).get("train"),
+                "cache_seconds": (run.get("seconds") or {}).get("cache")}
+
+    earlier: list[dict] = []
+    if start is not None and (Path(start) / "training.json").is_file():
+        before = json.loads((Path(start) / "training.json").read_text())
+        earlier = before.get("lineage") or [summary(before)]
+    return [*earlier, summary(record)]

@@ -61,9 +61,11 @@ from ..core.files import file_sha256
 from .common import (
     CACHE_HOME,
     CorpusSettings,
+    ANSWER_SETS,
     CorpusSpec,
     add_corpus_arguments,
     code_corpus,
+    lineage,
     read_checkpoint,
     run_record,
     save_checkpoint,
@@ -94,8 +96,6 @@ logger = logging.getLogger(__name__)
 CACHE_ROOT = CACHE_HOME / "eagle-train"
 #: bumped when what a shard holds changes
 CACHE_FORMAT = 1
-#: the answer sets a run may learn from, by their names in ``training.json``
-ANSWER_SETS = ("answers", "chat_answers", "passage_answers", "pool_answers")
 #: seconds between checkpoints inside an epoch
 CHECKPOINT_SECONDS = 300.0
 
@@ -585,29 +585,6 @@ def ship(settings: TrainSettings, corpus: Corpus, splits: Splits, run: HeadRun, 
     report.update(settings.extra)
     write_training_json(settings.out, report)
     return report
-
-
-def trained_positions(record: dict) -> int:
-    """The positions a ``training.json`` says its run trained on: the library text's and each answer set's."""
-    return int((record.get("corpus") or {}).get("training_positions", 0)) + sum(
-        int((record.get(name) or {}).get("training_positions", 0)) for name in ANSWER_SETS)
-
-
-def lineage(start: Path | None, record: dict) -> list[dict]:
-    """Every run that trained the head, first to last: ``start``'s (a head trained further: the lineage its
-    ``training.json`` holds, else that run alone), then the run of ``record``; each with its command, head,
-    positions, epochs and seconds, so a head trained part by part says what it learned from in all."""
-    def summary(run: dict) -> dict:
-        return {"command": run.get("command"), "weights_sha256": run.get("weights_sha256"),
-                "training_positions": trained_positions(run), "epochs": (run.get("settings") or {}).get("epochs"),
-                "train_seconds": (run.get("seconds") or {}).get("train"),
-                "cache_seconds": (run.get("seconds") or {}).get("cache")}
-
-    earlier: list[dict] = []
-    if start is not None and (Path(start) / "training.json").is_file():
-        before = json.loads((Path(start) / "training.json").read_text())
-        earlier = before.get("lineage") or [summary(before)]
-    return [*earlier, summary(record)]
 
 
 def train(settings: TrainSettings) -> dict:

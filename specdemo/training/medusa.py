@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from ..backends.eagle3_checkpoint import target_facts
 from ..backends.eagle3_head import default_hidden_layers
+from ..backends.medusa_checkpoint import load_heads
 from ..backends.medusa_heads import MedusaConfig, MedusaHeads
 from ..backends.packed_bf16 import pack_bf16_linears
 from .common import (
@@ -48,7 +49,9 @@ from .common import (
     answer_sequences,
     cache_splits,
     code_corpus,
+    folder_digest,
     generate_answers,
+    lineage,
     read_checkpoint,
     read_shards,
     run_record,
@@ -92,6 +95,8 @@ class TrainSettings(CorpusSettings):
     #: instead: the stored answers to part "K/P" of the whole pool (:func:`.pool.part_indexes`)
     pool_part: str = ""
     pool_folder: Path = POOL_FOLDER
+    #: heads to train further instead of new ones (their number and scored subset must be these settings')
+    init_from: Path | None = None
     extra: dict = field(default_factory=dict)
 
     def answer_rows(self, loaded, spec) -> list[dict]:
@@ -321,6 +326,8 @@ class HeadsRun:
     steps_per_epoch: int
     checkpoint: Path
     first_epoch: int = 0
+    #: the held-out figures of ``--init-from``'s heads (None: new heads)
+    at_start: dict | None = None
     last_losses: list[float] = field(default_factory=list)
     train_seconds: float = 0.0
 
@@ -334,7 +341,8 @@ def prepare_heads(settings: TrainSettings, corpus: Corpus, states: States) -> He
         num_heads=settings.num_heads, num_layers=1, hidden_size=corpus.hidden_size, vocab_size=corpus.vocab_size,
         head_tokens=settings.head_tokens, base_model=settings.target,
     )
-    heads = MedusaHeads(config)
+    heads = start_heads(settings, config)
+    at_start = held_out_figures(heads, states, corpus.weight) if settings.init_from is not None else None
     optimizer = torch.optim.AdamW(heads.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     steps_per_epoch = math.ceil(states.hidden.shape[0] / settings.batch_size)
     total_steps = steps_per_epoch * settings.epochs
@@ -343,7 +351,7 @@ def prepare_heads(settings: TrainSettings, corpus: Corpus, states: States) -> He
     )
     checkpoint = settings.cache_path() / f"checkpoint-{settings.num_heads}h-{settings.head_tokens}.pt"
     run = HeadsRun(heads, corpus.weight, _sub_labels(head_labels, settings.head_tokens), coverage, optimizer,
-                   scheduler, steps_per_epoch, checkpoint)
+                   scheduler, steps_per_epoch, checkpoint, at_start=at_start)
     saved = read_checkpoint(run.checkpoint, "settings", _train_key(settings))
     if saved is not None:
         heads.load_state_dict(saved["heads"])
@@ -352,6 +360,28 @@ def prepare_heads(settings: TrainSettings, corpus: Corpus, states: States) -> He
         run.first_epoch = int(saved["epoch"])
         logger.info("resuming after epoch %d from %s", run.first_epoch, run.checkpoint)
     return run
+
+
+def start_heads(settings: TrainSettings, config: MedusaConfig) -> MedusaHeads:
+    """New heads of ``config``, or ``--init-from``'s to train further (refused in one line when their number or
+    scored subset differ from these settings')."""
+    if settings.init_from is None:
+        return MedusaHeads(config)
+    heads = load_heads(settings.init_from, config.hidden_size, config.vocab_size)
+    if (heads.config.num_heads, heads.config.head_tokens) != (config.num_heads, config.head_tokens):
+        raise ValueError(f"--init-from {settings.init_from}: {heads.config.num_heads} heads scoring "
+                         f"{heads.config.head_tokens} tokens, these settings train {config.num_heads} scoring "
+                         f"{config.head_tokens} (--heads, --head-tokens)")
+    return heads.train().requires_grad_(True)
+
+
+def held_out_figures(heads: MedusaHeads, states: States, weight: torch.Tensor) -> dict:
+    """Each head's held-out top-1 on the library text and, when the corpus has answers, on them."""
+    heads.eval()
+    figures = {"standard_library": evaluate(heads, *states.held, weight)}
+    if states.answers_held is not None:
+        figures["answers"] = evaluate(heads, *states.answers_held, weight)
+    return figures
 
 
 def train_epochs(settings: TrainSettings, run: HeadsRun, states: States) -> None:
@@ -409,11 +439,13 @@ def ship(settings: TrainSettings, corpus: Corpus, states: States, run: HeadsRun,
                     "total": round(time.perf_counter() - started, 1)},
         "last_train_loss_per_head": [round(v, 4) for v in run.last_losses],
         "held_out_top1_per_head": accuracy,  # on the held-out standard-library files (answers: under "answers")
+        **({"held_out_at_start": run.at_start} if run.at_start else {}),
         "torch_threads": torch.get_num_threads(),
     }
     report.update(settings.extra)
     digest = run.heads.save(settings.out, torch.bfloat16, extra={"training": report})
     report["weights_sha256"] = digest
+    report["lineage"] = lineage(settings.init_from, report)
     write_training_json(settings.out, report)
     return report
 
@@ -435,9 +467,10 @@ def train(settings: TrainSettings) -> dict:
 def _train_key(settings: TrainSettings) -> list:
     pool = [answers_name(settings.target, settings.dtype, settings.answer_tokens), *settings.pool_selection()] \
         if settings.uses_pool() else []
-    return [settings.corpus_key(), settings.answers_key() if settings.answers else None, *pool, settings.num_heads,
-            settings.head_tokens, settings.epochs, settings.batch_size,
-            settings.learning_rate, settings.loss_decay]
+    start = [folder_digest(settings.init_from)] if settings.init_from is not None else []  # absent: keys hold
+    return [settings.corpus_key(), settings.answers_key() if settings.answers else None, *pool, *start,
+            settings.num_heads, settings.head_tokens, settings.epochs, settings.batch_size, settings.learning_rate,
+            settings.loss_decay]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=defaults.num_heads, dest="num_heads")
     parser.add_argument("--head-tokens", type=int, default=defaults.head_tokens)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="a heads folder to train further (its number of heads and scored subset kept)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = TrainSettings(**{k: v for k, v in vars(args).items()})
