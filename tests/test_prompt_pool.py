@@ -209,6 +209,8 @@ def test_the_pool_cuts_into_parts_that_cover_it_once_and_mix_its_kinds():
     assert sorted(i for part in parts for i in part) == list(range(12228))  # every prompt in exactly one part
     assert {len(part) for part in parts} == {3057} and parts[0] == sorted(parts[0])
     assert pool.part_indexes(12228, "1/4") == parts[0]  # the same cut every time, on every machine
+    eighths = [pool.part_indexes(12228, f"{k}/8") for k in (3, 4)]
+    assert sorted(eighths[0] + eighths[1]) == parts[1]  # parts nest: 3/8 and 4/8 are 2/4
     prompts = prompt_pool.read_pool(prompt_pool.POOL_FOLDER)
     share = {kind: sum(p.kind == kind for p in prompts) / len(prompts) for kind in {p.kind for p in prompts}}
     for part in (pool.part_indexes(len(prompts), f"{k}/4") for k in range(1, 5)):
