@@ -121,7 +121,8 @@ def test_the_pools_stored_answers_train_the_heads_instead_of_generated_ones(tmp_
         train(TrainSettings(**{**settings.__dict__, "answers": 4}))
     # half of the pool, trained further from those heads: the starting heads measured on the same held-out text
     part = train(TrainSettings(**{**settings.__dict__, "pool_answers": 0, "pool_part": "1/2", "out": tmp_path / "p",
-                                  "init_from": settings.out}))
+                                  "init_from": settings.out, "sequences": 0, "cache_dir": tmp_path / "c0"}))
+    assert part["corpus"]["training_positions"] == 0  # no library text: the answers alone
     assert part["answers"]["training_sequences"] + part["answers"]["held_out_sequences"] <= 3  # half of the six
     assert part["held_out_at_start"].keys() == {"standard_library", "answers"} and "held_out_at_start" not in report
     assert len(part["held_out_at_start"]["answers"]) == 2

@@ -295,14 +295,20 @@ def load_states(settings: TrainSettings, corpus: Corpus) -> States:
     positions counted in ``corpus.answer_counts``)."""
     answer_counts = corpus.answer_counts
     folder = settings.cache_path()
-    hidden, labels = load_split(folder, "train")
+    if not corpus.train_seqs and corpus.answer_states is None:
+        raise ValueError("no text to learn from: --sequences 0 needs answers (--answers, --pool-answers, --pool-part)")
+    # with --sequences 0 the answers alone (no library shards to read)
+    hidden, labels = load_split(folder, "train") if corpus.train_seqs else (None, None)
     held = load_split(folder, "heldout")
-    code_positions = int(hidden.shape[0])
+    code_positions = int(hidden.shape[0]) if hidden is not None else 0
     answers_held = None
     if corpus.answer_states is not None:
         answers = partial(corpus.answer_states.load, max_heads=settings.num_heads)
         answer_hidden, answer_labels = answers("train")
-        hidden, labels = torch.cat([hidden, answer_hidden]), torch.cat([labels, answer_labels], dim=1)
+        if hidden is None:
+            hidden, labels = answer_hidden, answer_labels
+        else:
+            hidden, labels = torch.cat([hidden, answer_hidden]), torch.cat([labels, answer_labels], dim=1)
         answers_held = answers("heldout")
         answer_counts["training_positions"] = int(answer_hidden.shape[0])
         answer_counts["held_out_positions"] = int(answers_held[0].shape[0])
