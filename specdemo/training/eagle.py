@@ -192,6 +192,8 @@ def check_choices(settings: TrainSettings) -> None:
         raise ValueError(f"--init {settings.init}: {' or '.join(INITS)}")
     if settings.init_from is not None and settings.init != "random":
         raise ValueError(f"--init {settings.init} and --init-from: a head starts one way")
+    if settings.uses_pool():
+        settings.pool_selection()  # one of --pool-answers and --pool-part
 
 
 @dataclass

@@ -461,6 +461,8 @@ def train(settings: TrainSettings) -> dict:
     if settings.answers and settings.uses_pool():
         raise ValueError("--answers and --pool-answers or --pool-part: the Medusa trainer learns from one set of "
                          "answers, choose one")
+    if settings.uses_pool():
+        settings.pool_selection()  # one of --pool-answers and --pool-part
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
     corpus = cache_corpus(settings)

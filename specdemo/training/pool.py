@@ -141,7 +141,8 @@ def parse_part(part: str) -> tuple[int, int]:
 def part_indexes(size: int, part: str) -> list[int]:
     """The prompt indexes of part K of P of a pool of ``size`` prompts, in index order: the indexes shuffled with
     :data:`PART_SEED` (the same order on every machine and for every trainer), then cut into P runs of nearly
-    equal length; each run mixes the pool's kinds as the whole pool does."""
+    equal length; each run mixes the pool's kinds as the whole pool does. The cut is of a pool of this size: a
+    pool that grows is cut anew."""
     number, parts = parse_part(part)
     order = list(range(size))
     random.Random(PART_SEED).shuffle(order)
