@@ -32,23 +32,26 @@ class MedusaLoadError(ValueError):
 
 
 
-def _read_state(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    for name in WEIGHTS_NAMES:
-        path = folder / name
-        if not path.is_file():
-            continue
-        try:
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
+def weights_file(folder: Path) -> Path | None:
+    """A heads folder's weights file: the first of :data:`WEIGHTS_NAMES` there (None: none)."""
+    return next((folder / name for name in WEIGHTS_NAMES if (folder / name).is_file()), None)
 
-                return load_file(str(path)), path
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # corrupt or foreign file: one line, not a traceback
-            raise MedusaLoadError(f"cannot read Medusa heads from {path}: {type(error).__name__}: {error}") from None
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise MedusaLoadError(f"{path} holds no tensor dictionary of Medusa heads")
-        return state, path
-    raise MedusaLoadError(f"no Medusa heads in {folder}: expected {' or '.join(WEIGHTS_NAMES)} and config.json")
+
+def _read_state(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    path = weights_file(folder)
+    if path is None:
+        raise MedusaLoadError(f"no Medusa heads in {folder}: expected {' or '.join(WEIGHTS_NAMES)} and config.json")
+    try:
+        if path.name.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(str(path)), path
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # corrupt or foreign file: one line, not a traceback
+        raise MedusaLoadError(f"cannot read Medusa heads from {path}: {type(error).__name__}: {error}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise MedusaLoadError(f"{path} holds no tensor dictionary of Medusa heads")
+    return state, path
 
 
 def load_heads(

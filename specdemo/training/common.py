@@ -438,13 +438,10 @@ def trained_positions(record: dict) -> int:
         int((record.get(name) or {}).get("training_positions", 0)) for name in ANSWER_SETS)
 
 
-def folder_digest(folder: Path) -> str:
-    """What names a starting head in a training key: the sha256 of its weights files (``*.safetensors``, ``*.pt``,
-    ``*.bin``), else the folder's name as given."""
-    files = sorted(path for pattern in ("*.safetensors", "*.pt", "*.bin") for path in Path(folder).glob(pattern))
-    if not files:
-        return str(folder)
-    return hashlib.sha256("".join(file_sha256(path) for path in files).encode()).hexdigest()
+def weights_digest(weights: Path | None, source: Path) -> str:
+    """What names a starting head in a training key: the sha256 of its ``weights`` file (else ``source``, the
+    folder as given)."""
+    return file_sha256(weights) if weights is not None else str(source)
 
 
 def lineage(start: Path | None, record: dict) -> list[dict]:

@@ -57,7 +57,6 @@ from ..backends.eagle3_checkpoint import (
 from ..backends.eagle3_head import EagleConfig, EagleHead, default_hidden_layers
 from ..backends.formats import output_weight
 from ..backends.packed_bf16 import pack_bf16_linears
-from ..core.files import file_sha256
 from .common import (
     CACHE_HOME,
     CorpusSettings,
@@ -69,6 +68,7 @@ from .common import (
     read_checkpoint,
     run_record,
     save_checkpoint,
+    weights_digest,
     write_training_json,
 )
 from .corpus import chat_prompts, passage_prompts
@@ -162,7 +162,8 @@ class TrainSettings(CorpusSettings):
         chat = [self.chat_answers_key(), self.chat_answers] if self.chat_answers else []  # absent: earlier keys hold
         passage = [self.passage_answers_key(), self.passage_answers] if self.passage_answers else []
         pool = [self.pool_answers_name(), *self.pool_selection()] if self.uses_pool() else []
-        start = [_weights_digest(self.init_from)] if self.init_from is not None else []
+        start = [weights_digest(weights_file(Path(self.init_from)), self.init_from)] \
+            if self.init_from is not None else []
         keyed = [self.corpus_key(), self.answers_key() if self.answers else None, *chat, *passage, *pool, *start, self.epochs,
                  self.steps_unrolled, self.learning_rate, self.batch_tokens, self.train_dtype, self.loss_decay,
                  self.grad_clip, self.warmup_steps, *init, hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest(), asdict(config)]
@@ -171,12 +172,6 @@ class TrainSettings(CorpusSettings):
 
 # ----------------------------------------------------------------------------------------------------------------
 # the run
-
-
-def _weights_digest(source: Path) -> str:
-    """What names a starting head in the training key: its weights file's sha256 (else the name as given)."""
-    path = weights_file(Path(source))
-    return file_sha256(path) if path is not None else str(source)
 
 
 def _trainable_state(head: EagleHead) -> dict:
@@ -294,8 +289,7 @@ def prepare_corpus(settings: TrainSettings) -> tuple[Corpus, TargetParts]:
 
     loaded = load_model(settings.target, LoadSettings(dtype=settings.dtype), progress=True)
     target = target_parts(settings, loaded)  # --init-from checked before any answer or cache is made
-    if loaded.device.type == "cpu":  # the passes that answer and cache, about 1.1x faster packed for oneDNN
-        pack_bf16_linears(loaded.model)
+    pack_bf16_linears(loaded.model)  # its CPU bfloat16 layers: the passes that answer and cache, about 1.1x faster
     spec = settings.corpus_spec()
     train_seqs, held_seqs, cache_seconds = code_corpus(
         loaded.tokenizer, spec, settings.cache_path(), partial(cache_split, loaded.model, layers=target.layers))

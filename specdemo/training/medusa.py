@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from ..backends.eagle3_checkpoint import target_facts
 from ..backends.eagle3_head import default_hidden_layers
-from ..backends.medusa_checkpoint import load_heads
+from ..backends.medusa_checkpoint import load_heads, weights_file
 from ..backends.medusa_heads import MedusaConfig, MedusaHeads
 from ..backends.packed_bf16 import pack_bf16_linears
 from .common import (
@@ -49,13 +49,13 @@ from .common import (
     answer_sequences,
     cache_splits,
     code_corpus,
-    folder_digest,
     generate_answers,
     lineage,
     read_checkpoint,
     read_shards,
     run_record,
     save_checkpoint,
+    weights_digest,
     write_shards,
     write_training_json,
 )
@@ -242,8 +242,7 @@ def cache_corpus(settings: TrainSettings) -> Corpus:
 
     loaded = load_model(settings.target, LoadSettings(dtype=settings.dtype), progress=True)
     head_weight = loaded.model.get_output_embeddings().weight.detach()
-    if loaded.device.type == "cpu":  # the passes that answer and cache, about 1.1x faster packed for oneDNN
-        pack_bf16_linears(loaded.model)
+    pack_bf16_linears(loaded.model)  # its CPU bfloat16 layers: the passes that answer and cache, about 1.1x faster
     spec = settings.corpus_spec()
     cache = partial(cache_split, loaded.model, max_heads=settings.num_heads)
     train_seqs, held_seqs, cache_seconds = code_corpus(loaded.tokenizer, spec, settings.cache_path(), cache)
@@ -425,10 +424,10 @@ def train_epochs(settings: TrainSettings, run: HeadsRun, states: States) -> None
 def ship(settings: TrainSettings, corpus: Corpus, states: States, run: HeadsRun, started: float) -> dict:
     """Each head's held-out top-1, the heads written (bfloat16) with their provenance and ``training.json``; the
     report."""
-    run.heads.eval()
-    accuracy = evaluate(run.heads, *states.held, run.weight)
-    if states.answers_held is not None:
-        corpus.answer_counts["held_out_top1_per_head"] = evaluate(run.heads, *states.answers_held, run.weight)
+    figures = held_out_figures(run.heads, states, run.weight)
+    accuracy = figures["standard_library"]
+    if "answers" in figures:
+        corpus.answer_counts["held_out_top1_per_head"] = figures["answers"]
     report = {
         **run_record("specdemo.training.medusa", settings),
         "corpus": {
@@ -475,7 +474,8 @@ def train(settings: TrainSettings) -> dict:
 def _train_key(settings: TrainSettings) -> list:
     pool = [answers_name(settings.target, settings.dtype, settings.answer_tokens), *settings.pool_selection()] \
         if settings.uses_pool() else []
-    start = [folder_digest(settings.init_from)] if settings.init_from is not None else []  # absent: keys hold
+    start = [weights_digest(weights_file(Path(settings.init_from)), settings.init_from)] \
+        if settings.init_from is not None else []  # absent: earlier keys hold
     return [settings.corpus_key(), settings.answers_key() if settings.answers else None, *pool, *start,
             settings.num_heads, settings.head_tokens, settings.epochs, settings.batch_size, settings.learning_rate,
             settings.loss_decay]

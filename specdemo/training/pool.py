@@ -117,7 +117,7 @@ def pool_answer_rows(target: str, fmt: str, answer_tokens: int, count: int, fold
     if count > len(prompts):
         raise ValueError(f"the prompt pool holds {len(prompts)} prompts, fewer than the {count} asked for")
     wanted = part_indexes(len(prompts), part) if part else list(range(count))
-    answers = read_answers(settings, [prompts[i] for i in range(max(wanted, default=-1) + 1)])
+    answers = read_answers(settings, prompts[: max(wanted, default=-1) + 1])
     missing = [i for i in wanted if i not in answers]
     if missing:
         asked = f"prompts of part {part}" if part else f"first {count} prompts"
