@@ -49,7 +49,7 @@ WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
 SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
     "qwen2.5-coder-1.5b": (
         Path(__file__).resolve().parents[1] / "data" / "eagle" / "qwen2.5-coder-1.5b",
-        "0f7c42483d53ac98712315c0a313b23819444425c049cac8fe97099f81b5339b",
+        "5e1a093038dc761f5d05bb4fd224a8327c8848a94fc6c34606cca9cbf15b9982",
     ),
 }
 

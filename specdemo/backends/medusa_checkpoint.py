@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
     "qwen2.5-coder-1.5b": (
         Path(__file__).resolve().parents[1] / "data" / "medusa" / "qwen2.5-coder-1.5b",
-        "9802afabf635fe464379397be83dfda1a07641f72e14e2168248b383eb2e13ff",
+        "30c38db53b8b2ad7e77d605d464cdee074b537b192c9f48e4ce2661b3075dd49",
     ),
 }
 
