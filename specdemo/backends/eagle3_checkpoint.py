@@ -49,7 +49,7 @@ WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
 SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
     "qwen2.5-coder-1.5b": (
         Path(__file__).resolve().parents[1] / "data" / "eagle" / "qwen2.5-coder-1.5b",
-        "5e1a093038dc761f5d05bb4fd224a8327c8848a94fc6c34606cca9cbf15b9982",
+        "f4c03695c9e7997b22cc401b97c21c5612791093228e9d45b4d62ac7dd1318e4",
     ),
 }
 

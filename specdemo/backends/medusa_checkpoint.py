@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
     "qwen2.5-coder-1.5b": (
         Path(__file__).resolve().parents[1] / "data" / "medusa" / "qwen2.5-coder-1.5b",
-        "30c38db53b8b2ad7e77d605d464cdee074b537b192c9f48e4ce2661b3075dd49",
+        "9559c349ac0c05fccd2874f8d364e910c01d68abb38fa882d79584a07482cec4",
     ),
 }
 
