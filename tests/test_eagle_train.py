@@ -5,6 +5,7 @@ draft vocabulary, the held-out split, the Medusa trainer's answers reused, the b
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -395,6 +396,16 @@ def test_passage_answers_join_the_corpus_and_a_head_trains_further_from_another(
     assert settings.train_key(heads[0].draft_ids, heads[0].config) != tiny_settings(
         tmp_path, pair, answers=0, passage_answers=5, epochs=1, learning_rate=1e-3).train_key(
         heads[0].draft_ids, heads[0].config)
+    assert report["head"]["draft_vocab_from"] == "the starting head"
+    # the draft vocabulary chosen anew from this run's answers, at another size; the rest of the sizes kept
+    anew = train(TrainSettings(**{**settings.__dict__, "draft_vocab_size": 48, "new_draft_vocab": True,
+                                  "out": tmp_path / "anew", "stop_after_steps": 1}))
+    third = load_head(tmp_path / "anew", target_facts(loaded), lm_head_weight=lambda: output_weight(model))
+    assert third.config == replace(heads[0].config, draft_vocab_size=48) and third.draft_ids.numel() == 48
+    assert set(loaded.eos_token_ids) <= set(third.draft_ids.tolist())
+    assert anew["head"]["draft_vocab_from"] == "this run's training answers" and anew["held_out_at_start"]
+    with pytest.raises(ValueError, match="--new-draft-vocab needs --init-from"):
+        train(tiny_settings(tmp_path, pair, new_draft_vocab=True))
     with pytest.raises(ValueError, match="EAGLE head not found"):
         train(tiny_settings(tmp_path, pair, answers=0, init_from=tmp_path / "nothing-here"))
 

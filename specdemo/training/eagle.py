@@ -10,7 +10,9 @@
    positions are stored too: at inference the head attends to them.
 3. Draft vocabulary: the ``draft_vocab_size`` most frequent greedy target tokens of the training answers, plus
    the EOS ids. The head's LM head is the target's own rows at those ids, frozen and not stored
-   (``shared_lm_head``); its final norm starts as the target's.
+   (``shared_lm_head``); its final norm starts as the target's. A head trained further (``--init-from``) keeps
+   its start's, unless ``--new-draft-vocab`` chooses one anew from this run's answers (the weights kept: the LM
+   head reads other rows of the target's).
 4. Train with EAGLE-3's training-time test (:mod:`specdemo.training.eagle_unrolled`), ``steps_unrolled`` steps
    deep. Row i of a sequence is the draft root the drafter has after committing position i: step 1 reads fc(target
    states at i) and the embedding of token i+1 at position i, as the drafter's catch-up does; step j > 1 reads the
@@ -39,7 +41,7 @@ import logging
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -143,6 +145,9 @@ class TrainSettings(CorpusSettings):
     init: str = "random"
     #: a head to start from instead (its sizes and draft vocabulary kept): training it further on more text
     init_from: Path | None = None
+    #: with ``init_from``: the draft vocabulary chosen anew (``draft_vocab_size`` ids) from this run's training
+    #: answers, the start's weights kept (its LM head is the target's rows, so only which rows it reads changes)
+    new_draft_vocab: bool = False
     time_budget_minutes: float | None = None
     cache_dir: Path | None = None
     #: stop (checkpointed, as a spent time budget does) after this many optimizer steps in all; for tests
@@ -187,6 +192,8 @@ def check_choices(settings: TrainSettings) -> None:
         raise ValueError(f"--init {settings.init}: {' or '.join(INITS)}")
     if settings.init_from is not None and settings.init != "random":
         raise ValueError(f"--init {settings.init} and --init-from: a head starts one way")
+    if settings.new_draft_vocab and settings.init_from is None:
+        raise ValueError("--new-draft-vocab needs --init-from (a new head always chooses its draft vocabulary)")
     if settings.uses_pool():
         settings.pool_selection()  # one of --pool-answers and --pool-part
 
@@ -332,12 +339,16 @@ def load_splits(folder: Path, sets: list[AnswerSet]) -> Splits:
 
 
 def new_head(settings: TrainSettings, target: TargetParts, labels: torch.Tensor) -> EagleHead:
-    """The head to train, its LM head frozen: ``--init-from``'s (its draft vocabulary and sizes kept), else one
+    """The head to train, its LM head frozen: ``--init-from``'s (its sizes kept, and its draft vocabulary unless
+    ``--new-draft-vocab`` chooses one from ``labels``), else one
     seeded anew over the draft vocabulary of ``labels``, the LM head the target's rows at those ids, the final
     norm the target's, and started as ``--init`` asks. ``target.start_head`` is released."""
     start_head, target.start_head = target.start_head, None
     fields = target.fields
-    if start_head is not None:  # its draft vocabulary and sizes, as trained before
+    if start_head is not None and settings.new_draft_vocab:  # its sizes, a draft vocabulary from these labels
+        draft_ids = draft_vocabulary(labels, fields["draft_vocab_size"], fields["vocab_size"], target.eos_ids)
+        config = replace(start_head.config, draft_vocab_size=int(draft_ids.numel()))
+    elif start_head is not None:  # its draft vocabulary and sizes, as trained before
         draft_ids = start_head.draft_ids.clone()
         config = start_head.config
     else:
@@ -349,7 +360,10 @@ def new_head(settings: TrainSettings, target: TargetParts, labels: torch.Tensor)
     with torch.no_grad():
         head.draft_ids.copy_(draft_ids)  # a buffer outside the state dict
         if start_head is not None:
-            head.load_state_dict(start_head.state_dict())
+            state = start_head.state_dict()
+            if settings.new_draft_vocab:  # the target's rows at the new ids
+                state["lm_head.weight"] = target.lm_weight[draft_ids]
+            head.load_state_dict(state)
         else:
             head.lm_head.weight.copy_(target.lm_weight[draft_ids].float())
             if target.norm_weight is not None and target.norm_weight.shape == head.norm.weight.shape:
@@ -562,6 +576,8 @@ def ship(settings: TrainSettings, corpus: Corpus, splits: Splits, run: HeadRun, 
             "intermediate_size": config.intermediate_size,
             "draft_vocab_size": config.draft_vocab_size,
             "greedy_tokens_inside_draft_vocab": round(run.coverage, 4),
+            "draft_vocab_from": "the starting head" if settings.init_from is not None and not settings.new_draft_vocab
+            else "this run's training answers",
             "parameters": config.parameter_count(),
             "lm_head": "the target's rows at the draft ids (shared, not stored)",
             "dtype": str(SHIP_DTYPE).removeprefix("torch."),
@@ -619,6 +635,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="pass-through: the head starts as the target's top layer's state read by its LM head")
     parser.add_argument("--init-from", type=Path, default=None,
                         help="a head folder to train further (its sizes and draft vocabulary kept)")
+    parser.add_argument("--new-draft-vocab", action="store_true",
+                        help="with --init-from: choose the draft vocabulary anew (--draft-vocab-size ids) from this "
+                             "run's training answers, the start's weights kept")
     parser.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens,
                         help="tokens per optimizer step (whole sequences)")
     parser.add_argument("--train-dtype", default=defaults.train_dtype, choices=TRAIN_DTYPES,
