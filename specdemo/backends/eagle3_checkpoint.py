@@ -49,7 +49,7 @@ WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
 SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
     "qwen2.5-coder-1.5b": (
         Path(__file__).resolve().parents[1] / "data" / "eagle" / "qwen2.5-coder-1.5b",
-        "f4c03695c9e7997b22cc401b97c21c5612791093228e9d45b4d62ac7dd1318e4",
+        "d95a59ec22be71035630a32795e7717e93650f674a93f0d4ce5b63a02703c085",
     ),
 }
 
