@@ -337,6 +337,43 @@ def test_the_pools_stored_answers_join_the_corpus_and_a_missing_one_is_refused(p
         train(tiny_settings(tmp_path, pair, answers=0, pool_answers=7, pool_part="1/2", pool_folder=folder))
 
 
+def test_a_time_budget_that_ends_in_the_pools_state_fill_stops_before_training_and_a_rerun_goes_on(
+        pair, tmp_path, monkeypatch, capsys):
+    from specdemo.training import eagle, pool, pool_states
+    from specdemo.training.prompt_pool import PoolPrompt, pool_shards
+
+    monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")
+    folder = tmp_path / "pool"
+    prompts = [PoolPrompt("request", f"magpie:test#{i}", f"Tell me fact number {i} about the sea.") for i in range(8)]
+    pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts))
+    assert pool.main(["--target", pair, "--dtype", "float32", "--answer-tokens", "20", "--batch", "4", "--folder",
+                      str(folder), "--phases", "answers", "--no-states"]) == 0  # answers whose states the run fills
+    settings = tiny_settings(tmp_path, pair, answers=0, pool_answers=7, pool_folder=folder, epochs=1,
+                             time_budget_minutes=60.0)
+    real_batch, budget_passed, passes = pool_states.teacher_forced_batch, pool_states.Deadline.passed, []
+
+    def budget_ends_after_two(model, sequences, layers):  # one sequence a pass; the budget ends after the second
+        passes.append(len(sequences))
+        if len(passes) == 2:
+            monkeypatch.setattr(pool_states.Deadline, "passed", property(lambda self: True))
+        return real_batch(model, sequences, layers)
+
+    monkeypatch.setattr(pool_states, "length_batches", lambda sequences, max_tokens: [[s] for s in sequences])
+    monkeypatch.setattr(pool_states, "teacher_forced_batch", budget_ends_after_two)
+    with pytest.raises(pool_states.FillStopped, match="2 of the 7 sequences lacking them cached") as stopped:
+        train(settings)
+    assert stopped.value.report.sequences == 2 and not (settings.out / "model.safetensors").exists()
+    (states,) = (tmp_path / "home" / "pool-states").iterdir()
+    assert len(pool_states.stored(states)) == 2  # what was cached is kept
+    monkeypatch.setattr(pool_states.Deadline, "passed", budget_passed)  # an hour's budget again
+    report = train(settings)  # the same run again: the other five filled, then trained
+    assert len(passes) == 7 and report["complete"] and len(pool_states.stored(states)) == 7
+    monkeypatch.setattr(eagle, "train", lambda settings: (_ for _ in ()).throw(stopped.value))
+    capsys.readouterr()
+    assert eagle.main(["--out", str(tmp_path / "cli")]) == 0  # the command line says so in one line
+    assert capsys.readouterr().out.startswith("stopped: the time budget ran out while caching")
+
+
 def test_passage_prompts_quote_the_chat_answer_of_their_index_and_none_is_a_benchmark_prompt():
     from specdemo.training.corpus import PASSAGE_WORDS, chat_prompts, passage, passage_prompts
 

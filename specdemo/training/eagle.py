@@ -77,7 +77,7 @@ from .corpus import chat_prompts, passage_prompts
 from .eagle_cache import AnswerSet, cache_split
 from .eagle_shape import MAX_HEAD_BYTES, SHIP_DTYPE, draft_vocabulary, head_fields, pass_through_init
 from .pool import answers_name, pool_answer_rows
-from .pool_states import pool_states_folder
+from .pool_states import Deadline, FillStopped, pool_states_folder
 from .prompt_pool import POOL_FOLDER
 from .eagle_unrolled import (
     Batch,
@@ -253,8 +253,8 @@ class Corpus:
     cache_seconds: float
 
 
-def answer_sets(settings: TrainSettings, loaded: LoadedModel, spec: CorpusSpec,
-                layers: tuple[int, ...]) -> tuple[list[AnswerSet], float, float]:
+def answer_sets(settings: TrainSettings, loaded: LoadedModel, spec: CorpusSpec, layers: tuple[int, ...],
+                deadline: Deadline) -> tuple[list[AnswerSet], float, float]:
     """The answer sets of ``--answers``, ``--chat-answers`` and ``--passage-answers``, answered and cached:
     (the sets the head learns from, seconds answering, seconds caching)."""
     sets: list[AnswerSet] = []
@@ -284,14 +284,14 @@ def answer_sets(settings: TrainSettings, loaded: LoadedModel, spec: CorpusSpec,
         rows = pool_answer_rows(settings.target, settings.dtype, settings.answer_tokens, settings.pool_answers,
                                 settings.pool_folder, settings.pool_part)
         sets.append(AnswerSet("pool_answers", name, folder, folder, None, len(rows), stored=lambda: rows, shared=True))
-        seconds, cached = sets[-1].prepare(loaded, spec, layers)
+        seconds, cached = sets[-1].prepare(loaded, spec, layers, deadline)
         answer_seconds, cache_seconds = answer_seconds + seconds, cache_seconds + cached
     return [answer_set for answer_set in sets if answer_set.count], answer_seconds, cache_seconds
 
 
-def prepare_corpus(settings: TrainSettings) -> tuple[Corpus, TargetParts]:
+def prepare_corpus(settings: TrainSettings, deadline: Deadline) -> tuple[Corpus, TargetParts]:
     """Load the target, cache its states over the standard-library sequences and its answer sets (answered
-    first), keep what training needs of it and release it."""
+    first; the pool's states within ``deadline``), keep what training needs of it and release it."""
     from ..backends.loading import LoadSettings, clear_model_cache, load_model
 
     loaded = load_model(settings.target, LoadSettings(dtype=settings.dtype), progress=True)
@@ -300,7 +300,7 @@ def prepare_corpus(settings: TrainSettings) -> tuple[Corpus, TargetParts]:
     spec = settings.corpus_spec()
     train_seqs, held_seqs, cache_seconds = code_corpus(
         loaded.tokenizer, spec, settings.cache_path(), partial(cache_split, loaded.model, layers=target.layers))
-    sets, answer_seconds, answers_cached = answer_sets(settings, loaded, spec, target.layers)
+    sets, answer_seconds, answers_cached = answer_sets(settings, loaded, spec, target.layers, deadline)
     del loaded
     clear_model_cache()
     return Corpus(spec, train_seqs, held_seqs, sets, answer_seconds, cache_seconds + answers_cached), target
@@ -495,7 +495,7 @@ def held_out_figures(settings: TrainSettings, run: HeadRun, splits: dict[str, Sp
             for name, split in splits.items()}
 
 
-def train_epochs(settings: TrainSettings, run: HeadRun, splits: Splits, deadline: float | None) -> Progress:
+def train_epochs(settings: TrainSettings, run: HeadRun, splits: Splits, deadline: Deadline) -> Progress:
     """Train from where the checkpoint left off through every epoch, or until ``deadline`` or
     ``stop_after_steps``: a checkpoint every :data:`CHECKPOINT_SECONDS` and after each epoch, and the held-out
     top-1 on the answers after each epoch but the last (whose figures are the final ones)."""
@@ -520,7 +520,7 @@ def train_epochs(settings: TrainSettings, run: HeadRun, splits: Splits, deadline
                 bar.set_postfix(epoch=f"{progress.epoch + 1}/{settings.epochs}",
                                 loss=" ".join(f"{v:.2f}" for v in per_step))
                 now = time.perf_counter()
-                out_of_time = deadline is not None and now > deadline
+                out_of_time = deadline.passed
                 if (settings.stop_after_steps is not None and progress.step >= settings.stop_after_steps
                         or out_of_time):
                     progress.stopped = True
@@ -604,8 +604,8 @@ def train(settings: TrainSettings) -> dict:
     to ``settings.out`` with ``training.json``."""
     check_choices(settings)
     started = time.perf_counter()
-    deadline = started + 60 * settings.time_budget_minutes if settings.time_budget_minutes else None
-    corpus, target = prepare_corpus(settings)
+    deadline = Deadline(settings.time_budget_minutes or None)  # 0: no budget, as before
+    corpus, target = prepare_corpus(settings, deadline)
     splits = load_splits(settings.cache_path(), corpus.sets)
     run = prepare_training(settings, target, splits)
     # the head it starts from, measured on the same held-out splits: what training must beat
@@ -643,11 +643,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-dtype", default=defaults.train_dtype, choices=TRAIN_DTYPES,
                         help="the head's matmuls while training (bfloat16: autocast, float32 weights and optimizer)")
     parser.add_argument("--time-budget-minutes", type=float, default=None,
-                        help="stop training once the run has taken this long (checkpointed: a rerun resumes)")
+                        help="stop once the run has taken this long, in the pool's state fill or in training "
+                             "(what was done is kept: a rerun resumes)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = TrainSettings(**vars(args))
-    report = train(settings)
+    try:
+        report = train(settings)
+    except FillStopped as stopped:
+        print(f"stopped: {stopped}")
+        return 0
     print(json.dumps({k: report[k] for k in ("held_out", "seconds", "weights_sha256", "complete")}, indent=2))
     return 0
 

@@ -24,7 +24,7 @@ from .common import (
 )
 from .corpus import TrainingPrompt
 from .eagle_unrolled import Split, load_split
-from .pool_states import eagle_split, fill_missing
+from .pool_states import Deadline, FillStopped, eagle_split, fill_missing
 
 
 @torch.inference_mode()
@@ -81,9 +81,11 @@ class AnswerSet:
     #: the training and held-out sequences, by split name
     sequences: dict[str, list[dict]] = field(default_factory=dict)
 
-    def prepare(self, loaded, spec, layers: tuple[int, ...]) -> tuple[float, float]:
+    def prepare(self, loaded, spec, layers: tuple[int, ...],
+                deadline: Deadline | None = None) -> tuple[float, float]:
         """The answers (reused from any trainer's cache or the checkout, else generated) and the cached states
-        of the first ``count``; (seconds answering, seconds caching)."""
+        of the first ``count``; (seconds answering, seconds caching). The pool's states are filled within
+        ``deadline``: :class:`~.pool_states.FillStopped` when it ends first."""
         started = time.perf_counter()
         reused = None
         if self.stored is not None:
@@ -101,7 +103,10 @@ class AnswerSet:
         train_seqs, held_seqs = answer_sequences(loaded.tokenizer, learned, spec)
         self.sequences = {"train": train_seqs, "heldout": held_seqs}
         if self.shared:  # mostly recorded while the pool was answered: only what is missing runs the target
-            fill_missing(loaded.model, train_seqs + held_seqs, self.shards, layers)
+            filled = fill_missing(loaded.model, train_seqs + held_seqs, self.shards, layers,
+                                  keep_going=deadline.keep_going if deadline is not None else None)
+            if filled.sequences < filled.missing:
+                raise FillStopped(filled)
         else:
             cache_split(loaded.model, train_seqs, self.shards, "train", layers)
             cache_split(loaded.model, held_seqs, self.shards, "heldout", layers)

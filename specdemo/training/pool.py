@@ -49,7 +49,7 @@ from ..backends.packed_bf16 import PackedBF16Linear, pack_bf16_linears
 from .batch_generation import BATCH_SIZES, fastest_batch_size, generate_batch
 from .common import chat_header
 from .magpie import write_requests
-from .pool_states import StateRecorder, fill_missing, pool_states_folder, write_records
+from .pool_states import Deadline, StateRecorder, fill_missing, pool_states_folder, write_records
 from .prompt_pool import POOL_FOLDER, PoolPrompt, pool_index, pool_shards, read_pool, store_templated
 from .row_shards import RowShards
 
@@ -149,21 +149,6 @@ def part_indexes(size: int, part: str) -> list[int]:
     return sorted(order[size * (number - 1) // parts: size * number // parts])
 
 
-class Deadline:
-    """The end of a run's time budget (None: no budget)."""
-
-    def __init__(self, minutes: float | None) -> None:
-        self.at = None if minutes is None else time.monotonic() + 60.0 * minutes
-
-    @property
-    def passed(self) -> bool:
-        return self.at is not None and time.monotonic() >= self.at
-
-    def leaves(self, seconds: float) -> bool:
-        """Whether ``seconds`` more of work end before the deadline (a batch as long as the last one)."""
-        return self.at is None or time.monotonic() + seconds <= self.at
-
-
 def add_requests(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadline) -> dict:
     """Phase 2: requests written by the target until the pool holds ``settings.requests`` of them."""
     prompts = read_pool(settings.folder)
@@ -220,7 +205,7 @@ def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
         for window_start in range(0, len(todo), batch * WINDOW_BATCHES):
             window = todo[window_start : window_start + batch * WINDOW_BATCHES]
             for chunk in prompt_batches(window, headers, batch):
-                if deadline.passed or not deadline.leaves(last_batch):  # a batch as long as the last must fit
+                if not deadline.keep_going(last_batch):  # a batch as long as the last must fit
                     break
                 batch_started = time.perf_counter()
                 with recorder or contextlib.nullcontext():
@@ -236,7 +221,7 @@ def answer_pool(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
                 written += len(chunk)
                 tokens += sum(len(ids) for ids, _ in answers)
                 bar.update(len(chunk))
-            if deadline.passed or not deadline.leaves(last_batch):
+            if not deadline.keep_going(last_batch):
                 break
     shards.seal(only_full=False)  # what this run wrote goes into a shard of its own: nothing is left unsealed
     seconds = time.perf_counter() - started
@@ -270,8 +255,8 @@ def fill_states(loaded: "LoadedModel", settings: PoolSettings, deadline: Deadlin
         sequences.append({"index": index, "ids": header + answers[index]["answer_ids"], "answer_start": len(header)})
     layers = default_hidden_layers(target_facts(loaded).num_layers)
     folder = pool_states_folder(answers_name(settings.target, settings.dtype, settings.answer_tokens), layers)
-    filled = fill_missing(loaded.model, sequences, folder, layers, keep_going=lambda last_batch: not deadline.passed
-                          and deadline.leaves(last_batch) and enough_disk(folder))
+    filled = fill_missing(loaded.model, sequences, folder, layers,
+                          keep_going=lambda last_batch: deadline.keep_going(last_batch) and enough_disk(folder))
     return {"phase": "states", "rows": filled.sequences, "lacking_before": filled.missing,
             "positions": filled.positions, "seconds": round(filled.seconds, 1),
             "positions_per_s": round(filled.positions / max(filled.seconds, 1e-9), 1)}

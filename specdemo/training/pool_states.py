@@ -45,6 +45,36 @@ FILL_TOKENS = 1024
 FILL_SEQUENCES = 16
 
 
+class Deadline:
+    """The end of a run's time budget (None: no budget)."""
+
+    def __init__(self, minutes: float | None) -> None:
+        self.at = None if minutes is None else time.monotonic() + 60.0 * minutes
+
+    @property
+    def passed(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+    def leaves(self, seconds: float) -> bool:
+        """Whether ``seconds`` more of work end before the deadline (a batch as long as the last one)."""
+        return self.at is None or time.monotonic() + seconds <= self.at
+
+    def keep_going(self, last_batch: float) -> bool:
+        """Whether another batch as long as the last one (``last_batch`` seconds) ends before the deadline."""
+        return not self.passed and self.leaves(last_batch)
+
+
+class FillStopped(RuntimeError):
+    """The time budget ran out while :func:`fill_missing` cached a trainer's states: what was cached is kept, and
+    the same command run again goes on from there."""
+
+    def __init__(self, report: "FillReport") -> None:
+        super().__init__(f"the time budget ran out while caching the target's states over the pool's answers "
+                         f"({report.sequences} of the {report.missing} sequences lacking them cached, and kept): "
+                         f"run the same command again to go on")
+        self.report = report
+
+
 def pool_states_folder(answers_name: str, layers: tuple[int, ...]) -> Path:
     """The folder of the states over the stored answers ``answers_name`` with the EAGLE ``layers``, in the user's
     cache (not under a trainer's ``--cache-dir``, which is that trainer's own)."""
