@@ -131,3 +131,61 @@ def test_the_pools_stored_answers_train_the_heads_instead_of_generated_ones(tmp_
     with pytest.raises(ValueError, match="1 heads scoring 0 tokens, these settings train 2 scoring 0"):
         train(TrainSettings(**{**settings.__dict__, "init_from": tmp_path / "one"}))
 
+
+
+def test_a_time_budget_stops_in_the_state_fill_or_in_training_and_the_same_command_ends_as_one_run_would(
+        tmp_path, monkeypatch, capsys):
+    import pytest
+
+    from specdemo.training import common, medusa, pool, pool_states
+    from specdemo.training.prompt_pool import PoolPrompt, pool_shards
+
+    monkeypatch.setattr(common, "CACHE_HOME", tmp_path / "home")
+    target, _ = save_tiny_pair(tmp_path / "pair")
+    folder = tmp_path / "pool"
+    prompts = [PoolPrompt("request", f"magpie:test#{i}", f"Tell me fact number {i} about the sea.") for i in range(8)]
+    pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts))
+    assert pool.main(["--target", target, "--dtype", "float32", "--answer-tokens", "24", "--batch", "4", "--folder",
+                      str(folder), "--phases", "answers", "--no-states"]) == 0  # answers whose states the run fills
+    settings = TrainSettings(
+        target=target, out=tmp_path / "heads", num_heads=2, head_tokens=0, sequences=0, held_out_sequences=1,
+        epochs=2, batch_size=16, dtype="float32", cache_dir=tmp_path / "cache", answer_tokens=24, held_out_every=4,
+        pool_answers=7, pool_folder=folder, time_budget_minutes=60.0,
+    )
+    real_batch, real_step = pool_states.teacher_forced_batch, medusa.train_step
+    budget_passed = pool_states.Deadline.passed
+    calls = {"fill": 0, "step": 0}
+
+    def ends_after(kind: str, count: int, real):
+        def counted(*args):
+            calls[kind] += 1
+            if calls[kind] == count:
+                monkeypatch.setattr(pool_states.Deadline, "passed", property(lambda self: True))
+            return real(*args)
+        return counted
+
+    # the budget ends after the second of seven fill passes: what was cached is kept, nothing trained or written
+    monkeypatch.setattr(pool_states, "length_batches", lambda sequences, max_tokens: [[s] for s in sequences])
+    monkeypatch.setattr(pool_states, "teacher_forced_batch", ends_after("fill", 2, real_batch))
+    with pytest.raises(pool_states.FillStopped, match="2 of the 7 sequences lacking them cached"):
+        train(settings)
+    (states,) = (tmp_path / "home" / "pool-states").iterdir()
+    assert len(pool_states.stored(states)) == 2 and not settings.out.exists()
+    # again: the other five filled, then the budget ends after the third optimizer step of the first epoch
+    monkeypatch.setattr(pool_states.Deadline, "passed", budget_passed)
+    monkeypatch.setattr(medusa, "train_step", ends_after("step", 3, real_step))
+    stopped = train(settings)
+    assert calls == {"fill": 7, "step": 3} and not stopped["complete"]
+    # again: on from the fourth step, to the end; the heads are those of one uninterrupted run
+    monkeypatch.setattr(pool_states.Deadline, "passed", budget_passed)
+    monkeypatch.setattr(medusa, "train_step", real_step)
+    resumed = train(settings)
+    uninterrupted = train(TrainSettings(**{**settings.__dict__, "out": tmp_path / "one", "cache_dir": tmp_path / "c1",
+                                           "time_budget_minutes": None}))
+    assert resumed["complete"] and uninterrupted["complete"]
+    assert resumed["weights_sha256"] == uninterrupted["weights_sha256"] != stopped["weights_sha256"]
+    monkeypatch.setattr(medusa, "train", lambda settings: (_ for _ in ()).throw(pool_states.FillStopped(
+        pool_states.FillReport(missing=7, sequences=2))))
+    capsys.readouterr()
+    assert medusa.main(["--out", str(tmp_path / "cli")]) == 0  # the command line says so in one line
+    assert capsys.readouterr().out.startswith("stopped: the time budget ran out while caching")

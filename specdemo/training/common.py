@@ -56,6 +56,8 @@ CACHE_HOME = cache_home()
 SHARD_SEQUENCES = 16
 #: the answers file inside an answers folder
 ANSWERS_FILE = "answers.jsonl"
+#: seconds between a trainer's checkpoints inside an epoch
+CHECKPOINT_SECONDS = 300.0
 #: answers committed with a checkout (``answers-KEY.jsonl``), so a run on a new machine need not generate them again
 #: (absent from an installed package: then nothing is found there)
 CHECKOUT_ANSWERS = Path(__file__).resolve().parents[2] / "assets" / "training"

@@ -60,9 +60,10 @@ from ..backends.eagle3_head import EagleConfig, EagleHead, default_hidden_layers
 from ..backends.formats import output_weight
 from ..backends.packed_bf16 import pack_bf16_linears
 from .common import (
-    CACHE_HOME,
-    CorpusSettings,
     ANSWER_SETS,
+    CACHE_HOME,
+    CHECKPOINT_SECONDS,
+    CorpusSettings,
     CorpusSpec,
     add_corpus_arguments,
     code_corpus,
@@ -98,8 +99,6 @@ logger = logging.getLogger(__name__)
 CACHE_ROOT = CACHE_HOME / "eagle-train"
 #: bumped when what a shard holds changes
 CACHE_FORMAT = 1
-#: seconds between checkpoints inside an epoch
-CHECKPOINT_SECONDS = 300.0
 
 
 #: how the head starts (``--init``) and the dtypes its matmuls may train in (``--train-dtype``)

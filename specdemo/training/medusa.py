@@ -14,8 +14,9 @@
    where the cache stopped).
 3. Train: head k learns to predict the target's greedy token k positions after the one its own LM head predicts,
    from the same hidden state, with loss weights ``decay ** k``. Only the residual blocks train; the target's LM
-   head is frozen and shared, scored over its lowest ``head_tokens`` ids. A checkpoint after each epoch makes a
-   stopped run restartable.
+   head is frozen and shared, scored over its lowest ``head_tokens`` ids. A checkpoint every few minutes and after
+   each epoch makes a stopped run restartable; ``--time-budget-minutes`` stops a run cleanly (in the pool's state
+   fill or in training) and the same command goes on.
 4. Evaluate each head's top-1 accuracy on the held-out files and write the heads (bfloat16) with their provenance.
 """
 
@@ -44,6 +45,7 @@ from ..backends.packed_bf16 import pack_bf16_linears
 from .common import (
     ANSWERS_FILE,
     CACHE_HOME,
+    CHECKPOINT_SECONDS,
     CorpusSettings,
     add_corpus_arguments,
     answer_sequences,
@@ -60,7 +62,7 @@ from .common import (
     write_training_json,
 )
 from .pool import answers_name, pool_answer_rows
-from .pool_states import fill_missing, final_states, pool_states_folder
+from .pool_states import Deadline, FillStopped, fill_missing, final_states, pool_states_folder
 from .prompt_pool import POOL_FOLDER
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,8 @@ class TrainSettings(CorpusSettings):
     pool_folder: Path = POOL_FOLDER
     #: heads to train further instead of new ones (their number and scored subset must be these settings')
     init_from: Path | None = None
+    #: stop once the run has taken this long, in the pool's state fill or in training (None or 0: no budget)
+    time_budget_minutes: float | None = None
     extra: dict = field(default_factory=dict)
 
     def answer_rows(self, loaded, spec) -> list[dict]:
@@ -235,9 +239,10 @@ class Corpus:
     cache_seconds: float
 
 
-def cache_corpus(settings: TrainSettings) -> Corpus:
+def cache_corpus(settings: TrainSettings, deadline: Deadline | None = None) -> Corpus:
     """Load the target, cache its hidden states and greedy tokens over the standard-library sequences and, with
-    ``--answers``, over its own answers (generated first), keep the LM head rows the heads score and release it."""
+    ``--answers``, over its own answers (generated first), keep the LM head rows the heads score and release it.
+    The pool's states are filled within ``deadline``: :class:`~.pool_states.FillStopped` when it ends first."""
     from ..backends.loading import LoadSettings, clear_model_cache, load_model
 
     loaded = load_model(settings.target, LoadSettings(dtype=settings.dtype), progress=True)
@@ -259,8 +264,11 @@ def cache_corpus(settings: TrainSettings) -> Corpus:
             answer_states = AnswerStates(pool_states_folder(answers_name(settings.target, settings.dtype,
                                                                          settings.answer_tokens), layers),
                                          {"train": answer_train, "heldout": answer_held})
-            cache_seconds += fill_missing(loaded.model, answer_train + answer_held, answer_states.folder,
-                                          layers).seconds
+            filled = fill_missing(loaded.model, answer_train + answer_held, answer_states.folder, layers,
+                                  keep_going=deadline.keep_going if deadline is not None else None)
+            if filled.sequences < filled.missing:
+                raise FillStopped(filled)
+            cache_seconds += filled.seconds
         else:
             answer_states = AnswerStates(settings.answers_path())
             cache_seconds += cache_splits(cache, answer_train, answer_held, answer_states.folder)
@@ -320,7 +328,8 @@ class HeadsRun:
     """The heads in training and what trains them: the LM head rows they score (``weight``), their training labels
     (row k - 1: head k's, -100 where the scored subset cannot score it), ``coverage`` (the share of labels it can),
     the optimizer and schedule, the checkpoint and the epoch to start from; once trained, the last losses per head
-    and the seconds trained."""
+    and the seconds trained (over every run of these settings); ``stopped``: the time budget ended training
+    early."""
 
     heads: MedusaHeads
     weight: torch.Tensor
@@ -331,10 +340,13 @@ class HeadsRun:
     steps_per_epoch: int
     checkpoint: Path
     first_epoch: int = 0
+    #: optimizer steps of ``first_epoch`` a stopped run already took
+    first_position: int = 0
     #: the held-out figures of ``--init-from``'s heads (None: new heads)
     at_start: dict | None = None
     last_losses: list[float] = field(default_factory=list)
     train_seconds: float = 0.0
+    stopped: bool = False
 
 
 def prepare_heads(settings: TrainSettings, corpus: Corpus, states: States) -> HeadsRun:
@@ -362,8 +374,9 @@ def prepare_heads(settings: TrainSettings, corpus: Corpus, states: States) -> He
         heads.load_state_dict(saved["heads"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
-        run.first_epoch = int(saved["epoch"])
-        logger.info("resuming after epoch %d from %s", run.first_epoch, run.checkpoint)
+        run.first_epoch, run.first_position = int(saved["epoch"]), int(saved.get("position", 0))
+        run.train_seconds = float(saved.get("train_seconds", 0.0))
+        logger.info("resuming at epoch %d, step %d from %s", run.first_epoch + 1, run.first_position, run.checkpoint)
     return run
 
 
@@ -389,36 +402,60 @@ def held_out_figures(heads: MedusaHeads, states: States, weight: torch.Tensor) -
     return figures
 
 
-def train_epochs(settings: TrainSettings, run: HeadsRun, states: States) -> None:
-    """Train the epochs left over shuffled batches (the shuffles of an uninterrupted run), a checkpoint after
-    each."""
+def train_epochs(settings: TrainSettings, run: HeadsRun, states: States, deadline: Deadline | None = None) -> None:
+    """Train from where the checkpoint left off over shuffled batches (the shuffles of an uninterrupted run) through
+    every epoch or until ``deadline``: a checkpoint every :data:`~.common.CHECKPOINT_SECONDS`, after each epoch and
+    when the budget ends."""
     train_started = time.perf_counter()
+    trained_before, saved_at = run.train_seconds, train_started
     hidden, heads = states.hidden, run.heads
     generator = torch.Generator().manual_seed(settings.seed)
     for _ in range(run.first_epoch):  # the same shuffles as an uninterrupted run
         torch.randperm(hidden.shape[0], generator=generator)
+
+    def save(epoch: int, position: int) -> None:
+        run.train_seconds = trained_before + time.perf_counter() - train_started
+        save_checkpoint(run.checkpoint, {"settings": _train_key(settings), "epoch": epoch, "position": position,
+                                         "heads": heads.state_dict(), "optimizer": run.optimizer.state_dict(),
+                                         "scheduler": run.scheduler.state_dict(), "train_seconds": run.train_seconds})
+
+    first_position = run.first_position
     for epoch in range(run.first_epoch, settings.epochs):
         order = torch.randperm(hidden.shape[0], generator=generator)
         heads.train()
-        with tqdm(range(run.steps_per_epoch), desc=f"training heads, epoch {epoch + 1}/{settings.epochs}",
-                  unit="step") as bar:
+        steps = range(first_position, run.steps_per_epoch)
+        with tqdm(steps, desc=f"training heads, epoch {epoch + 1}/{settings.epochs}", unit="step",
+                  initial=first_position, total=run.steps_per_epoch) as bar:
             for step in bar:
-                index = order[step * settings.batch_size : (step + 1) * settings.batch_size]
-                loss, per_head = head_loss(heads, hidden[index].float(), run.train_labels[:, index], run.weight,
-                                           settings.loss_decay)
-                if not loss.requires_grad:  # no position of this batch has a target the head can score
-                    continue
-                run.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                run.optimizer.step()
-                run.scheduler.step()
-                run.last_losses = per_head
-                if step % 20 == 0:
-                    bar.set_postfix(loss=" ".join(f"{v:.2f}" for v in per_head))
-        save_checkpoint(run.checkpoint, {"settings": _train_key(settings), "epoch": epoch + 1,
-                                         "heads": heads.state_dict(), "optimizer": run.optimizer.state_dict(),
-                                         "scheduler": run.scheduler.state_dict()})
-    run.train_seconds = time.perf_counter() - train_started
+                train_step(settings, run, hidden, order[step * settings.batch_size : (step + 1) * settings.batch_size])
+                if step % 20 == 0 and run.last_losses:
+                    bar.set_postfix(loss=" ".join(f"{v:.2f}" for v in run.last_losses))
+                if deadline is not None and deadline.passed and step + 1 < run.steps_per_epoch:
+                    run.stopped = True
+                    save(epoch, step + 1)
+                    return
+                if time.perf_counter() - saved_at > CHECKPOINT_SECONDS:
+                    save(epoch, step + 1)
+                    saved_at = time.perf_counter()
+        first_position = 0
+        save(epoch + 1, 0)
+        saved_at = time.perf_counter()
+        if deadline is not None and deadline.passed and epoch + 1 < settings.epochs:
+            run.stopped = True
+            return
+
+
+def train_step(settings: TrainSettings, run: HeadsRun, hidden: torch.Tensor, index: torch.Tensor) -> None:
+    """One optimizer step over the positions ``index`` (none when no position has a target the heads can score)."""
+    loss, per_head = head_loss(run.heads, hidden[index].float(), run.train_labels[:, index], run.weight,
+                               settings.loss_decay)
+    if not loss.requires_grad:
+        return
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    run.optimizer.step()
+    run.scheduler.step()
+    run.last_losses = per_head
 
 
 def ship(settings: TrainSettings, corpus: Corpus, states: States, run: HeadsRun, started: float) -> dict:
@@ -444,6 +481,7 @@ def ship(settings: TrainSettings, corpus: Corpus, states: States, run: HeadsRun,
                     "total": round(time.perf_counter() - started, 1)},
         "last_train_loss_per_head": [round(v, 4) for v in run.last_losses],
         "held_out_top1_per_head": accuracy,  # on the held-out standard-library files (answers: under "answers")
+        "complete": not run.stopped,  # False: the time budget ended training early (the same command goes on)
         **({"held_out_at_start": run.at_start} if run.at_start else {}),
         "torch_threads": torch.get_num_threads(),
     }
@@ -463,11 +501,12 @@ def train(settings: TrainSettings) -> dict:
     if settings.uses_pool():
         settings.pool_selection()  # one of --pool-answers and --pool-part
     started = time.perf_counter()
+    deadline = Deadline(settings.time_budget_minutes or None)
     torch.manual_seed(settings.seed)
-    corpus = cache_corpus(settings)
+    corpus = cache_corpus(settings, deadline)
     states = load_states(settings, corpus)
     run = prepare_heads(settings, corpus, states)
-    train_epochs(settings, run, states)
+    train_epochs(settings, run, states, deadline)
     return ship(settings, corpus, states, run, started)
 
 
@@ -491,11 +530,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--init-from", type=Path, default=None,
                         help="a heads folder to train further (its number of heads and scored subset kept)")
+    parser.add_argument("--time-budget-minutes", type=float, default=None,
+                        help="stop once the run has taken this long, in the pool's state fill or in training "
+                             "(what was done is kept: a rerun resumes)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    settings = TrainSettings(**{k: v for k, v in vars(args).items()})
-    report = train(settings)
-    print(json.dumps({k: report[k] for k in ("held_out_top1_per_head", "seconds", "weights_sha256")}, indent=2))
+    settings = TrainSettings(**vars(args))
+    try:
+        report = train(settings)
+    except FillStopped as stopped:
+        print(f"stopped: {stopped}")
+        return 0
+    print(json.dumps({k: report[k] for k in ("held_out_top1_per_head", "seconds", "weights_sha256", "complete")},
+                     indent=2))
     return 0
 
 
