@@ -49,7 +49,7 @@ WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
 SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
     "qwen2.5-coder-1.5b": (
         Path(__file__).resolve().parents[1] / "data" / "eagle" / "qwen2.5-coder-1.5b",
-        "d95a59ec22be71035630a32795e7717e93650f674a93f0d4ce5b63a02703c085",
+        "eaf8f123ebe4b26269966eca902db50f584f3f14514dbb584bd20f52de09203e",
     ),
 }
 

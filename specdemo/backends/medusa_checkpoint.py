@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 SHIPPED_HEADS: dict[str, tuple[Path, str]] = {
     "qwen2.5-coder-1.5b": (
         Path(__file__).resolve().parents[1] / "data" / "medusa" / "qwen2.5-coder-1.5b",
-        "9559c349ac0c05fccd2874f8d364e910c01d68abb38fa882d79584a07482cec4",
+        "618166726f8b3bbe1f989b4f9be9c57ae45f0808ee2000a004e2af5b6823fd65",
     ),
 }
 
