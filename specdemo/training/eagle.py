@@ -78,7 +78,7 @@ from .corpus import chat_prompts, passage_prompts
 from .eagle_cache import AnswerSet, cache_split
 from .eagle_shape import MAX_HEAD_BYTES, SHIP_DTYPE, draft_vocabulary, head_fields, pass_through_init
 from .pool import answers_name, pool_answer_rows
-from .pool_states import Deadline, FillStopped, pool_states_folder
+from .pool_states import Deadline, add_time_budget_argument, pool_states_folder, train_and_print
 from .prompt_pool import POOL_FOLDER
 from .eagle_unrolled import (
     Batch,
@@ -641,19 +641,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens per optimizer step (whole sequences)")
     parser.add_argument("--train-dtype", default=defaults.train_dtype, choices=TRAIN_DTYPES,
                         help="the head's matmuls while training (bfloat16: autocast, float32 weights and optimizer)")
-    parser.add_argument("--time-budget-minutes", type=float, default=None,
-                        help="stop once the run has taken this long, in the pool's state fill or in training "
-                             "(what was done is kept: a rerun resumes)")
+    add_time_budget_argument(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    settings = TrainSettings(**vars(args))
-    try:
-        report = train(settings)
-    except FillStopped as stopped:
-        print(f"stopped: {stopped}")
-        return 0
-    print(json.dumps({k: report[k] for k in ("held_out", "seconds", "weights_sha256", "complete")}, indent=2))
-    return 0
+    return train_and_print(train, TrainSettings(**vars(args)), ("held_out", "seconds", "weights_sha256", "complete"))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from .common import (
 )
 from .corpus import TrainingPrompt
 from .eagle_unrolled import Split, load_split
-from .pool_states import Deadline, FillStopped, eagle_split, fill_missing
+from .pool_states import Deadline, eagle_split, fill_within
 
 
 @torch.inference_mode()
@@ -103,10 +103,7 @@ class AnswerSet:
         train_seqs, held_seqs = answer_sequences(loaded.tokenizer, learned, spec)
         self.sequences = {"train": train_seqs, "heldout": held_seqs}
         if self.shared:  # mostly recorded while the pool was answered: only what is missing runs the target
-            filled = fill_missing(loaded.model, train_seqs + held_seqs, self.shards, layers,
-                                  keep_going=deadline.keep_going if deadline is not None else None)
-            if filled.sequences < filled.missing:
-                raise FillStopped(filled)
+            fill_within(loaded.model, train_seqs + held_seqs, self.shards, layers, deadline)
         else:
             cache_split(loaded.model, train_seqs, self.shards, "train", layers)
             cache_split(loaded.model, held_seqs, self.shards, "heldout", layers)

@@ -62,7 +62,14 @@ from .common import (
     write_training_json,
 )
 from .pool import answers_name, pool_answer_rows
-from .pool_states import Deadline, FillStopped, fill_missing, final_states, pool_states_folder
+from .pool_states import (
+    Deadline,
+    add_time_budget_argument,
+    fill_within,
+    final_states,
+    pool_states_folder,
+    train_and_print,
+)
 from .prompt_pool import POOL_FOLDER
 
 logger = logging.getLogger(__name__)
@@ -264,11 +271,8 @@ def cache_corpus(settings: TrainSettings, deadline: Deadline | None = None) -> C
             answer_states = AnswerStates(pool_states_folder(answers_name(settings.target, settings.dtype,
                                                                          settings.answer_tokens), layers),
                                          {"train": answer_train, "heldout": answer_held})
-            filled = fill_missing(loaded.model, answer_train + answer_held, answer_states.folder, layers,
-                                  keep_going=deadline.keep_going if deadline is not None else None)
-            if filled.sequences < filled.missing:
-                raise FillStopped(filled)
-            cache_seconds += filled.seconds
+            cache_seconds += fill_within(loaded.model, answer_train + answer_held, answer_states.folder, layers,
+                                         deadline).seconds
         else:
             answer_states = AnswerStates(settings.answers_path())
             cache_seconds += cache_splits(cache, answer_train, answer_held, answer_states.folder)
@@ -530,20 +534,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--init-from", type=Path, default=None,
                         help="a heads folder to train further (its number of heads and scored subset kept)")
-    parser.add_argument("--time-budget-minutes", type=float, default=None,
-                        help="stop once the run has taken this long, in the pool's state fill or in training "
-                             "(what was done is kept: a rerun resumes)")
+    add_time_budget_argument(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    settings = TrainSettings(**vars(args))
-    try:
-        report = train(settings)
-    except FillStopped as stopped:
-        print(f"stopped: {stopped}")
-        return 0
-    print(json.dumps({k: report[k] for k in ("held_out_top1_per_head", "seconds", "weights_sha256", "complete")},
-                     indent=2))
-    return 0
+    return train_and_print(train, TrainSettings(**vars(args)),
+                           ("held_out_top1_per_head", "seconds", "weights_sha256", "complete"))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ whose ids differ from the one asked for (a changed tokenizer or chat template) i
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -302,6 +303,36 @@ def fill_missing(model, sequences: Iterable[dict], folder: Path, layers: tuple[i
             write_records(folder, records)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def fill_within(model, sequences: Iterable[dict], folder: Path, layers: tuple[int, ...],
+                deadline: Deadline | None) -> "FillReport":
+    """:func:`fill_missing` for a trainer, within its time budget: :class:`FillStopped` when ``deadline`` ends it
+    before every missing sequence is cached (what was cached is kept)."""
+    filled = fill_missing(model, sequences, folder, layers,
+                          keep_going=deadline.keep_going if deadline is not None else None)
+    if filled.sequences < filled.missing:
+        raise FillStopped(filled)
+    return filled
+
+
+def add_time_budget_argument(parser: argparse.ArgumentParser) -> None:
+    """A trainer's ``--time-budget-minutes``."""
+    parser.add_argument("--time-budget-minutes", type=float, default=None,
+                        help="stop once the run has taken this long, in the pool's state fill or in training "
+                             "(what was done is kept: a rerun resumes)")
+
+
+def train_and_print(train: Callable[[object], dict], settings: object, keys: tuple[str, ...]) -> int:
+    """A trainer's command line: run ``train(settings)`` and print the report's ``keys``, or the one line saying
+    the time budget ended the state fill; 0 either way (a rerun goes on)."""
+    try:
+        report = train(settings)
+    except FillStopped as stopped:
+        print(f"stopped: {stopped}")
+        return 0
+    print(json.dumps({key: report[key] for key in keys}, indent=2))
+    return 0
 
 
 @dataclass
