@@ -633,11 +633,35 @@ def test_heads_that_do_not_fit_the_target_are_refused_in_one_line(tmp_path):
                      None, GenerationSettings(max_new_tokens=4))
 
 
-@pytest.mark.parametrize("damage", ["no-weights", "garbage", "no-config", "bad-config", "missing-tensor", "bad-d2t"])
+def test_a_head_written_in_int8_loads_as_its_per_row_rounded_weights_in_half_the_bytes(tmp_path):
+    from safetensors.torch import load_file
+
+    from specdemo.backends.formats import int8_rows
+
+    model = llama(1)
+    head = random_head(model, shared_lm_head=True)
+    save_head(head, tmp_path / "bf16", torch.bfloat16)
+    save_head(head, tmp_path / "int8", torch.int8)
+    stored = load_file(str(tmp_path / "int8" / "model.safetensors"))
+    assert stored["fc.weight"].dtype == torch.int8 and stored["fc.weight_scale"].dtype == torch.float32
+    assert stored["norm.weight"].dtype == torch.bfloat16  # vectors stay bfloat16
+    assert json.loads((tmp_path / "int8" / "config.json").read_text())["torch_dtype"] == "int8"
+    matrices = sum(t.numel() for t in head.state_dict().values() if t.dim() == 2) - head.lm_head.weight.numel()
+    sizes = {name: (tmp_path / name / "model.safetensors").stat().st_size for name in ("bf16", "int8")}
+    assert sizes["bf16"] - sizes["int8"] >= matrices - 4 * sum(
+        t.shape[0] for n, t in head.state_dict().items() if t.dim() == 2 and n != "lm_head.weight") - 4096
+    back = head_for(loaded(model), str(tmp_path / "int8"))
+    values, scale = int8_rows(head.midlayer.mlp.down_proj.weight)
+    assert torch.equal(back.midlayer.mlp.down_proj.weight, values.float() * scale[:, None])
+    assert torch.equal(back.draft_ids, head.draft_ids) and back.config == head.config
+
+
+@pytest.mark.parametrize("damage", ["no-weights", "garbage", "no-config", "bad-config", "missing-tensor", "bad-d2t",
+                                    "int8-without-scale", "int8-bad-scale"])
 def test_bad_head_folders_are_refused_in_one_line(tmp_path, damage):
     model = llama(1)
     folder = tmp_path / "head"
-    save_head(random_head(model), folder, torch.float32)
+    save_head(random_head(model), folder, torch.int8 if damage.startswith("int8") else torch.float32)
     weights = folder / "model.safetensors"
     from safetensors.torch import load_file, save_file
 
@@ -653,11 +677,19 @@ def test_bad_head_folders_are_refused_in_one_line(tmp_path, damage):
         state = load_file(str(weights))
         del state["midlayer.self_attn.q_proj.weight"]
         save_file(state, str(weights))
-    else:
+    elif damage == "bad-d2t":
         state = load_file(str(weights))
         state["d2t"] = torch.zeros_like(state["d2t"]) + 90  # draft ids past the target's vocabulary
         save_file(state, str(weights))
-    _refused(loaded(model), folder, ".")
+    else:
+        state = load_file(str(weights))
+        if damage == "int8-without-scale":
+            del state["fc.weight_scale"]
+        else:
+            state["fc.weight_scale"] = state["fc.weight_scale"][:3]
+        save_file(state, str(weights))
+    _refused(loaded(model), folder, "int8 without one floating-point scale per row" if damage.startswith("int8")
+             else ".")
 
 
 def test_hub_ids_missing_folders_and_shipped_heads(tmp_path, monkeypatch):

@@ -30,8 +30,16 @@ from specdemo.training.common import (
     generate_answers,
     is_held_out,
 )
-from specdemo.training.eagle import TrainSettings, train
-from specdemo.training.eagle_shape import MAX_HEAD_BYTES, draft_vocabulary, head_bytes, head_fields, pass_through_init
+from specdemo.training.eagle import TrainSettings, train, widened_mlp
+from specdemo.training.eagle_shape import (
+    MAX_HEAD_BYTES,
+    as_shipped,
+    draft_vocabulary,
+    head_bytes,
+    head_fields,
+    pass_through_init,
+    ship_dtype,
+)
 from specdemo.training.eagle_unrolled import Split, load_split, make_batch, unrolled_forward
 
 BENCHMARK_FILES = {"prompts.jsonl", "question.jsonl"}
@@ -122,6 +130,22 @@ def test_the_pass_through_init_starts_the_head_as_the_highest_layers_state():
                               atol=1e-6)
 
 
+def test_a_head_grown_wider_computes_what_it_did_and_its_new_units_can_learn():
+    start = random_head()
+    wide = EagleHead(replace(start.config, intermediate_size=start.config.intermediate_size + 64))
+    with torch.no_grad():
+        wide.load_state_dict(widened_mlp(start.state_dict(), wide.state_dict()))
+        wide.draft_ids.copy_(start.draft_ids)
+    for name, tensor in start.state_dict().items():  # every other weight, and the start's units, as they were
+        assert torch.equal(wide.state_dict()[name][tuple(slice(0, n) for n in tensor.shape)], tensor), name
+    new_down = wide.midlayer.mlp.down_proj.weight[:, start.config.intermediate_size:]
+    assert torch.equal(new_down, torch.zeros_like(new_down))
+    new_up = wide.midlayer.mlp.up_proj.weight[start.config.intermediate_size:]
+    assert new_up.abs().sum() > 0  # random, so their down columns get a gradient
+    hidden = torch.randn(5, start.config.hidden_size)
+    torch.testing.assert_close(wide.midlayer.mlp(hidden), start.midlayer.mlp(hidden))
+
+
 def test_the_draft_vocabulary_is_the_most_frequent_greedy_tokens_and_the_eos_ids():
     labels = torch.tensor([5, 5, 5, 9, 9, 2, 2, 7, -1, -1, -1, -1], dtype=torch.int32)
     assert draft_vocabulary(labels, 3, 20, eos_ids=[]).tolist() == [2, 5, 9]  # 2 and 9 tie: both twice
@@ -141,6 +165,19 @@ def test_the_default_head_for_the_offline_target_fits_40_mb():
     assert head.shared_lm_head and head.hidden_layers == (2, 14, 25)
     assert head_bytes(head) <= MAX_HEAD_BYTES < head_bytes(EagleConfig(**{**fields, "intermediate_size":
                                                                            head.intermediate_size + 128}))
+    assert ship_dtype(head) == torch.bfloat16
+    # wider: its matrices go in int8 (one scale a row), 5,120 still under the cap, 5,248 not
+    wide = EagleConfig(**{**fields, "intermediate_size": 5120})
+    assert ship_dtype(wide) == torch.int8 and head_bytes(wide, torch.int8) <= MAX_HEAD_BYTES
+    assert head_bytes(EagleConfig(**{**fields, "intermediate_size": 5248}), torch.int8) > MAX_HEAD_BYTES
+
+
+def test_a_head_is_scored_as_its_file_will_hold_it():
+    head = random_head()
+    assert ship_dtype(head.config) == torch.bfloat16
+    shipped = as_shipped(head)
+    assert torch.equal(shipped.fc.weight, head.fc.weight.to(torch.bfloat16).float())
+    assert torch.equal(shipped.lm_head.weight, head.lm_head.weight)  # the target's rows: not stored, not rounded
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -441,6 +478,12 @@ def test_passage_answers_join_the_corpus_and_a_head_trains_further_from_another(
     assert third.config == replace(heads[0].config, draft_vocab_size=48) and third.draft_ids.numel() == 48
     assert set(loaded.eos_token_ids) <= set(third.draft_ids.tolist())
     assert anew["head"]["draft_vocab_from"] == "this run's training answers" and anew["held_out_at_start"]
+    # the MLP grown: the start's units kept, the head trained from there; never cut
+    grown = train(TrainSettings(**{**settings.__dict__, "intermediate_size": heads[0].config.intermediate_size + 32,
+                                   "out": tmp_path / "grown", "stop_after_steps": 1}))
+    assert grown["head"]["intermediate_size"] == heads[0].config.intermediate_size + 32
+    with pytest.raises(ValueError, match="narrower than --init-from's MLP"):
+        train(TrainSettings(**{**settings.__dict__, "intermediate_size": 8, "out": tmp_path / "cut"}))
     with pytest.raises(ValueError, match="--new-draft-vocab needs --init-from"):
         train(tiny_settings(tmp_path, pair, new_draft_vocab=True))
     with pytest.raises(ValueError, match="EAGLE head not found"):

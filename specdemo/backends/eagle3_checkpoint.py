@@ -2,7 +2,7 @@
 specdemo, and the per-target cache of loaded heads.
 
 Heads load from three layouts: this project's own (:func:`save_head`: ``config.json`` with ``specdemo_format``
-and ``model.safetensors``), the original EAGLE-3 checkpoints (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: a
+and ``model.safetensors``, its matrices in a float dtype or int8 with per-row scales), the original EAGLE-3 checkpoints (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: a
 Llama-style ``config.json`` with ``draft_vocab_size``; ``pytorch_model.bin`` or ``model.safetensors`` with
 ``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``) and speculators' (``config.json``
 with ``speculators_model_type: "eagle3"``, ``transformer_layer_config``, ``speculators_config.verifier``; the layer's
@@ -34,7 +34,7 @@ from .eagle3_head import (
     default_hidden_layers,
     fastest_head_format,
 )
-from .formats import INT8, W8A8, output_rows, output_weight, w8a8_kernel_available
+from .formats import INT8, W8A8, int8_rows, output_rows, output_weight, w8a8_kernel_available
 from .loading import LoadedModel
 from .offline import OFFLINE_MODELS, is_offline_source, offline_name, shipped_for
 
@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "specdemo-eagle3"
 FORMAT_VERSION = 1
+#: in this project's int8 layout, the per-row scales of matrix ``NAME`` are stored as ``NAME`` + this
+SCALE_SUFFIX = "_scale"
 #: the weights files a head folder may hold, in the order they are looked for
 WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
 #: the heads shipped for offline targets (offline-pack name -> folder, sha256 of its weights file), checked on load;
@@ -321,6 +323,8 @@ def load_head(
             stored = state.get(stored_name)
             if stored is None:
                 raise EagleLoadError(f"{weights_path}: no {stored_name} ({layout} layout)")
+            if stored.dtype == torch.int8:  # this project's int8 layout: one scale per row beside it
+                stored = _dequantized(stored, state.get(stored_name + SCALE_SUFFIX), stored_name, weights_path)
             if stored.shape != tensor.shape:
                 raise EagleLoadError(f"{weights_path}: {stored_name} has shape {tuple(stored.shape)}, expected "
                                      f"{tuple(tensor.shape)} from its config")
@@ -335,19 +339,42 @@ def load_head(
     return head.eval().requires_grad_(False)
 
 
+def _dequantized(values: torch.Tensor, scale: torch.Tensor | None, name: str, path: Path) -> torch.Tensor:
+    """An int8 matrix of :func:`save_head`'s int8 layout as float32, by its per-row scales."""
+    if values.dim() != 2 or scale is None or scale.shape != values.shape[:1] or not scale.is_floating_point():
+        raise EagleLoadError(f"{path}: {name} is int8 without one floating-point scale per row "
+                             f"({name}{SCALE_SUFFIX})")
+    return values.float() * scale.float()[:, None]
+
+
+def _stored_tensors(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What the weights file holds for one weight: the tensor in ``dtype``; for int8, a matrix as int8 values and
+    float32 scales per row (``name`` + :data:`SCALE_SUFFIX`), a vector in bfloat16."""
+    tensor = tensor.detach().to("cpu", torch.float32)
+    if dtype != torch.int8:
+        return {name: tensor.to(dtype).contiguous()}
+    if tensor.dim() != 2:
+        return {name: tensor.to(torch.bfloat16).contiguous()}
+    values, scale = int8_rows(tensor)
+    return {name: values.contiguous(), name + SCALE_SUFFIX: scale.contiguous()}
+
+
 def save_head(
     head: EagleHead, folder: str | Path, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None
 ) -> str:
     """Write a head in this project's layout (config.json, model.safetensors with ``fc``, ``midlayer.*``,
     ``norm``, ``lm_head`` (not for a shared LM head), ``d2t`` offsets and the ``t2d`` mask, as EAGLE-3's
-    checkpoints hold them); returns the weights file's sha256."""
+    checkpoints hold them); returns the weights file's sha256. With ``dtype`` int8 each matrix is stored as int8
+    values with one float32 scale per row beside it (half the bytes of bfloat16; the vectors in bfloat16)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = head.config
-    state = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in head.state_dict().items()
-             if not (name == "lm_head.weight" and config.shared_lm_head)}
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in head.state_dict().items():
+        if not (name == "lm_head.weight" and config.shared_lm_head):
+            state.update(_stored_tensors(name, tensor, dtype))
     draft_ids = head.draft_ids.detach().cpu().long()
     state["d2t"] = (draft_ids - torch.arange(config.draft_vocab_size)).contiguous()
     t2d = torch.zeros(config.vocab_size, dtype=torch.bool)

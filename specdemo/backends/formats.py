@@ -82,6 +82,13 @@ ROW_WISE_MAX_QUERIES = MAX_NUM_DRAFT_TOKENS + 1
 KEY_BUCKET = 64
 
 
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 matrix as int8 with one float32 scale per row, symmetric (a row's largest magnitude is 127
+    steps): ``(int8 values, scales)``; ``values * scales[:, None]`` stands for ``weight``."""
+    scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
 class Int8WeightLinear(nn.Module):
     """A linear layer with int8 weights (symmetric, one scale per output channel) and bfloat16 activations."""
 
@@ -89,9 +96,8 @@ class Int8WeightLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        weight = linear.weight.detach().to(INT8_ACTIVATIONS).float()
-        scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
-        self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        qweight, scale = int8_rows(linear.weight.detach().to(INT8_ACTIVATIONS).float())
+        self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.to(INT8_ACTIVATIONS))
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().to(INT8_ACTIVATIONS))
@@ -132,9 +138,7 @@ class W8A8Linear(nn.Module):
         self.kernel = kernel or w8a8_kernel()
         if self.kernel not in W8A8_KERNELS:
             raise ValueError(f"unknown w8a8 kernel {self.kernel!r}: use one of {', '.join(W8A8_KERNELS)}")
-        weight = linear.weight.detach().float()
-        scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
-        qweight = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        qweight, scale = int8_rows(linear.weight.detach().float())
         #: one activation step times one weight step, per output channel
         self.register_buffer("weight_step", scale / W8A8_STEPS)
         self.register_buffer("weight_scale", scale)

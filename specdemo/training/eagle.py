@@ -34,7 +34,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import logging
@@ -76,7 +75,14 @@ from .common import (
 )
 from .corpus import chat_prompts, passage_prompts
 from .eagle_cache import AnswerSet, cache_split
-from .eagle_shape import MAX_HEAD_BYTES, SHIP_DTYPE, draft_vocabulary, head_fields, pass_through_init
+from .eagle_shape import (
+    MAX_HEAD_BYTES,
+    as_shipped,
+    draft_vocabulary,
+    head_fields,
+    pass_through_init,
+    ship_dtype,
+)
 from .pool import answers_name, pool_answer_rows
 from .pool_states import Deadline, add_time_budget_argument, pool_states_folder, train_and_print
 from .prompt_pool import POOL_FOLDER
@@ -142,7 +148,8 @@ class TrainSettings(CorpusSettings):
     #: "pass-through": the feature starts as the highest layer's state and the layer's two residual branches at
     #: zero, so the untrained head already reads the target's LM head input space; "random": PyTorch's init
     init: str = "random"
-    #: a head to start from instead (its sizes and draft vocabulary kept): training it further on more text
+    #: a head to start from instead (its sizes and draft vocabulary kept, its MLP grown to a larger
+    #: ``intermediate_size``): training it further on more text
     init_from: Path | None = None
     #: with ``init_from``: the draft vocabulary chosen anew (``draft_vocab_size`` ids) from this run's training
     #: answers, the start's weights kept (its LM head is the target's rows, so only which rows it reads changes)
@@ -191,6 +198,8 @@ def check_choices(settings: TrainSettings) -> None:
         raise ValueError(f"--init {settings.init}: {' or '.join(INITS)}")
     if settings.init_from is not None and settings.init != "random":
         raise ValueError(f"--init {settings.init} and --init-from: a head starts one way")
+    if settings.intermediate_size < 0:
+        raise ValueError(f"--intermediate-size {settings.intermediate_size}: a width, or 0")
     if settings.new_draft_vocab and settings.init_from is None:
         raise ValueError("--new-draft-vocab needs --init-from (a new head always chooses its draft vocabulary)")
     if settings.uses_pool():
@@ -227,6 +236,9 @@ def target_parts(settings: TrainSettings, loaded: LoadedModel) -> TargetParts:
         if tuple(start_head.config.hidden_layers) != layers:
             raise ValueError(f"--init-from {settings.init_from}: the head reads layers "
                              f"{list(start_head.config.hidden_layers)}, this trainer caches {list(layers)}")
+        if 0 < settings.intermediate_size < start_head.config.intermediate_size:
+            raise ValueError(f"--intermediate-size {settings.intermediate_size}: narrower than --init-from's MLP "
+                             f"({start_head.config.intermediate_size}); a head can be grown, not cut")
     final_norm = getattr(model.get_decoder(), "norm", None) if hasattr(model, "get_decoder") else None
     norm_weight = final_norm.weight.detach().clone() if isinstance(getattr(final_norm, "weight", None),
                                                                     torch.Tensor) else None
@@ -338,22 +350,23 @@ def load_splits(folder: Path, sets: list[AnswerSet]) -> Splits:
 
 
 def new_head(settings: TrainSettings, target: TargetParts, labels: torch.Tensor) -> EagleHead:
-    """The head to train, its LM head frozen: ``--init-from``'s (its sizes kept, and its draft vocabulary unless
-    ``--new-draft-vocab`` chooses one from ``labels``), else one
-    seeded anew over the draft vocabulary of ``labels``, the LM head the target's rows at those ids, the final
+    """The head to train, its LM head frozen: ``--init-from``'s (its sizes kept but for an MLP grown to a larger
+    ``--intermediate-size``, and its draft vocabulary unless ``--new-draft-vocab`` chooses one from ``labels``),
+    else one seeded anew over the draft vocabulary of ``labels``, the LM head the target's rows at those ids, the final
     norm the target's, and started as ``--init`` asks. ``target.start_head`` is released."""
     start_head, target.start_head = target.start_head, None
     fields = target.fields
-    if start_head is not None and settings.new_draft_vocab:  # its sizes, a draft vocabulary from these labels
-        draft_ids = draft_vocabulary(labels, fields["draft_vocab_size"], fields["vocab_size"], target.eos_ids)
-        config = replace(start_head.config, draft_vocab_size=int(draft_ids.numel()))
-    elif start_head is not None:  # its draft vocabulary and sizes, as trained before
-        draft_ids = start_head.draft_ids.clone()
-        config = start_head.config
-    else:
+    if start_head is None:
         draft_ids = draft_vocabulary(labels, fields["draft_vocab_size"], fields["vocab_size"], target.eos_ids)
         fields["draft_vocab_size"] = int(draft_ids.numel())
         config = EagleConfig(**fields, verifier=target.verifier, verifier_architectures=target.architectures)
+    else:  # its draft vocabulary and sizes, as trained before
+        draft_ids, config = start_head.draft_ids.clone(), start_head.config
+        if settings.new_draft_vocab:  # a draft vocabulary from these labels
+            draft_ids = draft_vocabulary(labels, fields["draft_vocab_size"], fields["vocab_size"], target.eos_ids)
+            config = replace(config, draft_vocab_size=int(draft_ids.numel()))
+        if settings.intermediate_size > config.intermediate_size:  # its MLP grown
+            config = replace(config, intermediate_size=settings.intermediate_size)
     torch.manual_seed(settings.seed)
     head = EagleHead(config)
     with torch.no_grad():
@@ -362,7 +375,7 @@ def new_head(settings: TrainSettings, target: TargetParts, labels: torch.Tensor)
             state = start_head.state_dict()
             if settings.new_draft_vocab:  # the target's rows at the new ids
                 state["lm_head.weight"] = target.lm_weight[draft_ids]
-            head.load_state_dict(state)
+            head.load_state_dict(widened_mlp(state, head.state_dict()))
         else:
             head.lm_head.weight.copy_(target.lm_weight[draft_ids].float())
             if target.norm_weight is not None and target.norm_weight.shape == head.norm.weight.shape:
@@ -371,6 +384,21 @@ def new_head(settings: TrainSettings, target: TargetParts, labels: torch.Tensor)
                 pass_through_init(head)
     head.lm_head.weight.requires_grad_(False)  # the target's rows: shared, not stored
     return head
+
+
+def widened_mlp(start: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The start head's weights in a head whose MLP is ``fresh``'s width: the start's units kept, the new units'
+    gate and up rows ``fresh``'s (random), their down columns zero, so the wider head computes what the start did
+    and its new units learn from there. ``start`` itself where the widths agree."""
+    state = dict(start)
+    for name, tensor in start.items():
+        wide = fresh[name]
+        if wide.shape == tensor.shape or not name.startswith("midlayer.mlp."):
+            continue
+        grown = torch.zeros_like(wide) if name.endswith("down_proj.weight") else wide.clone()
+        grown[tuple(slice(0, n) for n in tensor.shape)] = tensor
+        state[name] = grown
+    return state
 
 
 @dataclass
@@ -487,9 +515,8 @@ def train_step(settings: TrainSettings, run: HeadRun, batch: Batch, progress: Pr
 
 
 def held_out_figures(settings: TrainSettings, run: HeadRun, splits: dict[str, Split]) -> dict[str, dict]:
-    """:func:`evaluate` on each split, of the head's weights as they would be written (rounded to
-    :data:`SHIP_DTYPE`)."""
-    rounded = copy.deepcopy(run.head).to(SHIP_DTYPE).float()
+    """:func:`evaluate` on each split, of the head's weights as they would be written (:func:`as_shipped`)."""
+    rounded = as_shipped(run.head)
     return {name: evaluate(rounded, run.target.embed_weight, split, settings.steps_unrolled, settings.batch_tokens)
             for name, split in splits.items()}
 
@@ -548,7 +575,7 @@ def ship(settings: TrainSettings, corpus: Corpus, splits: Splits, run: HeadRun, 
     held = held_out_figures(settings, run, splits.held_out())
     eval_seconds = time.perf_counter() - eval_started
     head, config = run.head, run.head.config
-    digest = save_head(head, settings.out, SHIP_DTYPE)
+    digest = save_head(head, settings.out, ship_dtype(config))
     weights = settings.out / "model.safetensors"
     if weights.stat().st_size > MAX_HEAD_BYTES:
         logger.warning("the head's weights take %.1f MB, more than the %.0f MB a shipped head may",
@@ -579,7 +606,7 @@ def ship(settings: TrainSettings, corpus: Corpus, splits: Splits, run: HeadRun, 
             else "this run's training answers",
             "parameters": config.parameter_count(),
             "lm_head": "the target's rows at the draft ids (shared, not stored)",
-            "dtype": str(SHIP_DTYPE).removeprefix("torch."),
+            "dtype": str(ship_dtype(config)).removeprefix("torch."),
             "weights_bytes": weights.stat().st_size,
         },
         "seconds": {"answers": round(corpus.answer_seconds, 1), "cache": round(corpus.cache_seconds, 1),
@@ -629,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size)
     parser.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size,
                         help=f"the head's MLP width (0: the widest that keeps the weights under "
-                             f"{MAX_HEAD_BYTES / 1e6:.0f} MB)")
+                             f"{MAX_HEAD_BYTES / 1e6:.0f} MB); with --init-from, a width above the start's grows "
+                             f"its MLP (the new units start adding nothing)")
     parser.add_argument("--init", default=defaults.init, choices=INITS,
                         help="pass-through: the head starts as the target's top layer's state read by its LM head")
     parser.add_argument("--init-from", type=Path, default=None,

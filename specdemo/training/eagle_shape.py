@@ -3,15 +3,18 @@ the bytes its weights file takes, its draft vocabulary and the pass-through star
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..backends.eagle3_checkpoint import llama_fields
 from ..backends.eagle3_head import EagleConfig, EagleHead, default_hidden_layers
-from ..backends.formats import output_rows
+from ..backends.formats import int8_rows, output_rows
 
 #: the most bytes the head's weights file may take (the size picked for ``--intermediate-size 0``)
 MAX_HEAD_BYTES = 40_000_000
-#: the dtype the head is written in
+#: the dtype a head is written in where it fits :data:`MAX_HEAD_BYTES`, else its matrices go in int8 with one
+#: scale per row (:func:`ship_dtype`)
 SHIP_DTYPE = torch.bfloat16
 #: MLP widths tried for ``--intermediate-size 0`` are multiples of this
 WIDTH_STEP = 128
@@ -41,11 +44,40 @@ def head_fields(model, draft_vocab_size: int, intermediate_size: int) -> dict:
     return fields
 
 
-def head_bytes(config: EagleConfig) -> int:
-    """About what the head's weights file takes: its parameters in :data:`SHIP_DTYPE`, ``d2t`` (int64) and
-    ``t2d`` (one byte per target id), and the file's header."""
-    itemsize = torch.empty((), dtype=SHIP_DTYPE).element_size()
-    return itemsize * config.parameter_count() + 8 * config.draft_vocab_size + config.vocab_size + 8192
+def head_bytes(config: EagleConfig, dtype: torch.dtype = SHIP_DTYPE) -> int:
+    """About what the head's weights file takes: its parameters in ``dtype`` (int8: and a float32 scale per
+    matrix row), ``d2t`` (int64) and ``t2d`` (one byte per target id), and the file's header."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    scales = 4 * matrix_rows(config) if dtype == torch.int8 else 0
+    return itemsize * config.parameter_count() + scales + 8 * config.draft_vocab_size + config.vocab_size + 8192
+
+
+def matrix_rows(config: EagleConfig) -> int:
+    """The rows of the head's stored matrices (fc, q, k, v, o, gate, up, down; the shared LM head is not stored)."""
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.head_dim
+    return hidden + (heads + 2 * kv_heads) * head_dim + hidden + 2 * config.intermediate_size + hidden
+
+
+def ship_dtype(config: EagleConfig) -> torch.dtype:
+    """:data:`SHIP_DTYPE` where the head's weights fit :data:`MAX_HEAD_BYTES` in it, else int8."""
+    return SHIP_DTYPE if head_bytes(config, SHIP_DTYPE) <= MAX_HEAD_BYTES else torch.int8
+
+
+def as_shipped(head: EagleHead) -> EagleHead:
+    """A float32 copy of ``head`` holding the weights its file will hold (rounded to :func:`ship_dtype`)."""
+    shipped = copy.deepcopy(head).float()
+    dtype = ship_dtype(head.config)
+    with torch.no_grad():
+        for name, tensor in shipped.state_dict().items():
+            if name == "lm_head.weight" and head.config.shared_lm_head:
+                continue
+            if dtype == torch.int8 and tensor.dim() == 2:
+                values, scale = int8_rows(tensor)
+                tensor.copy_(values.float() * scale[:, None])
+            else:
+                tensor.copy_(tensor.to(torch.bfloat16 if dtype == torch.int8 else dtype).float())
+    return shipped
 
 
 def draft_vocabulary(labels: torch.Tensor, size: int, vocab_size: int, eos_ids: list[int]) -> torch.Tensor:
