@@ -2,7 +2,8 @@
 specdemo, and the per-target cache of loaded heads.
 
 Heads load from three layouts: this project's own (:func:`save_head`: ``config.json`` with ``specdemo_format``
-and ``model.safetensors``, its matrices in a float dtype or int8 with per-row scales), the original EAGLE-3 checkpoints (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: a
+and ``model.safetensors``, its matrices in a float dtype or in int8 with per-row scales), the original EAGLE-3
+checkpoints (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: a
 Llama-style ``config.json`` with ``draft_vocab_size``; ``pytorch_model.bin`` or ``model.safetensors`` with
 ``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``) and speculators' (``config.json``
 with ``speculators_model_type: "eagle3"``, ``transformer_layer_config``, ``speculators_config.verifier``; the layer's

@@ -352,8 +352,8 @@ def load_splits(folder: Path, sets: list[AnswerSet]) -> Splits:
 def new_head(settings: TrainSettings, target: TargetParts, labels: torch.Tensor) -> EagleHead:
     """The head to train, its LM head frozen: ``--init-from``'s (its sizes kept but for an MLP grown to a larger
     ``--intermediate-size``, and its draft vocabulary unless ``--new-draft-vocab`` chooses one from ``labels``),
-    else one seeded anew over the draft vocabulary of ``labels``, the LM head the target's rows at those ids, the final
-    norm the target's, and started as ``--init`` asks. ``target.start_head`` is released."""
+    else one seeded anew over the draft vocabulary of ``labels``, the LM head the target's rows at those ids, the
+    final norm the target's, and started as ``--init`` asks. ``target.start_head`` is released."""
     start_head, target.start_head = target.start_head, None
     fields = target.fields
     if start_head is None:

@@ -1,5 +1,6 @@
 """The EAGLE head's shape for a target: its config fields (the widest MLP under the size a shipped head may take),
-the bytes its weights file takes, its draft vocabulary and the pass-through start."""
+the bytes its weights file takes and the dtype it is written in, its weights as written, its draft vocabulary and
+the pass-through start."""
 
 from __future__ import annotations
 
