@@ -325,7 +325,7 @@ def load_head(
             if stored is None:
                 raise EagleLoadError(f"{weights_path}: no {stored_name} ({layout} layout)")
             if stored.dtype == torch.int8:  # this project's int8 layout: one scale per row beside it
-                stored = _dequantized(stored, state.get(stored_name + SCALE_SUFFIX), stored_name, weights_path)
+                stored = _dequantized(stored, _row_scales(stored, state, stored_name, weights_path))
             if stored.shape != tensor.shape:
                 raise EagleLoadError(f"{weights_path}: {stored_name} has shape {tuple(stored.shape)}, expected "
                                      f"{tuple(tensor.shape)} from its config")
@@ -340,12 +340,26 @@ def load_head(
     return head.eval().requires_grad_(False)
 
 
-def _dequantized(values: torch.Tensor, scale: torch.Tensor | None, name: str, path: Path) -> torch.Tensor:
-    """An int8 matrix of :func:`save_head`'s int8 layout as float32, by its per-row scales."""
+def _row_scales(values: torch.Tensor, state: dict[str, torch.Tensor], name: str, path: Path) -> torch.Tensor:
+    """The per-row scales stored beside int8 matrix ``name``, checked to be one floating-point number a row."""
+    scale = state.get(name + SCALE_SUFFIX)
     if values.dim() != 2 or scale is None or scale.shape != values.shape[:1] or not scale.is_floating_point():
         raise EagleLoadError(f"{path}: {name} is int8 without one floating-point scale per row "
                              f"({name}{SCALE_SUFFIX})")
+    return scale
+
+
+def _dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An int8 matrix of :func:`save_head`'s int8 layout as float32, by its per-row scales."""
     return values.float() * scale.float()[:, None]
+
+
+def as_written(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float32 values weight ``name`` holds once :func:`save_head` has written it in ``dtype`` and
+    :func:`load_head` has read it back."""
+    stored = _stored_tensors(name, tensor, dtype)
+    values = stored[name]
+    return _dequantized(values, stored[name + SCALE_SUFFIX]) if values.dtype == torch.int8 else values.float()
 
 
 def _stored_tensors(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -8,9 +8,9 @@ import copy
 
 import torch
 
-from ..backends.eagle3_checkpoint import llama_fields
+from ..backends.eagle3_checkpoint import as_written, llama_fields
 from ..backends.eagle3_head import EagleConfig, EagleHead, default_hidden_layers
-from ..backends.formats import int8_rows, output_rows
+from ..backends.formats import output_rows
 
 #: the most bytes the head's weights file may take (the size picked for ``--intermediate-size 0``)
 MAX_HEAD_BYTES = 40_000_000
@@ -71,13 +71,8 @@ def as_shipped(head: EagleHead) -> EagleHead:
     dtype = ship_dtype(head.config)
     with torch.no_grad():
         for name, tensor in shipped.state_dict().items():
-            if name == "lm_head.weight" and head.config.shared_lm_head:
-                continue
-            if dtype == torch.int8 and tensor.dim() == 2:
-                values, scale = int8_rows(tensor)
-                tensor.copy_(values.float() * scale[:, None])
-            else:
-                tensor.copy_(tensor.to(torch.bfloat16 if dtype == torch.int8 else dtype).float())
+            if not (name == "lm_head.weight" and head.config.shared_lm_head):  # the target's rows: not written
+                tensor.copy_(as_written(name, tensor, dtype))
     return shipped
 
 
