@@ -247,6 +247,10 @@ def test_a_bad_init_or_train_dtype_is_refused_before_anything_loads(tmp_path, mo
         train(tiny_settings(tmp_path, "unused", train_dtype="float16"))
     with pytest.raises(ValueError, match="--init pass-through and --init-from: a head starts one way"):
         train(tiny_settings(tmp_path, "unused", init="pass-through", init_from=tmp_path))
+    with pytest.raises(ValueError, match="--loss-target distribution: only the prompt pool's answers store"):
+        train(tiny_settings(tmp_path, "unused", loss_target="distribution"))
+    with pytest.raises(ValueError, match="--loss-target kl: greedy or distribution"):
+        train(tiny_settings(tmp_path, "unused", loss_target="kl"))
 
 
 def test_answers_committed_with_the_checkout_are_found_by_their_key(tmp_path, monkeypatch):
@@ -372,6 +376,11 @@ def test_the_pools_stored_answers_join_the_corpus_and_a_missing_one_is_refused(p
         further["corpus"]["training_positions"]
     with pytest.raises(ValueError, match="--pool-answers and --pool-part: choose one"):
         train(tiny_settings(tmp_path, pair, answers=0, pool_answers=7, pool_part="1/2", pool_folder=folder))
+    # the same part learning the target's whole distribution from its final states, which the pool's cache holds
+    soft = train(replace(part, loss_target="distribution", sequences=0, out=tmp_path / "soft",
+                         cache_dir=tmp_path / "soft-cache"))
+    assert soft["settings"]["loss_target"] == "distribution" and soft["weights_sha256"] != further["weights_sha256"]
+    assert all(v == v and v > 0 for v in soft["last_train_loss_per_step"])
 
 
 def test_a_time_budget_that_ends_in_the_pools_state_fill_stops_before_training_and_a_rerun_goes_on(
@@ -549,5 +558,39 @@ def test_the_command_line_lists_one_flag_per_setting(capsys):
     for flag in ("--target", "--out", "--dtype", "--seed", "--sequences", "--held-out-sequences", "--answers", "--chat-answers",
                  "--passage-answers", "--pool-answers", "--pool-part", "--pool-folder", "--init-from",
                  "--epochs", "--steps-unrolled", "--draft-vocab-size", "--learning-rate", "--batch-tokens",
-                 "--time-budget-minutes"):
+                 "--time-budget-minutes", "--loss-target"):
         assert flag in text
+
+
+def test_each_step_learns_the_distribution_the_target_wrote_its_label_from():
+    """``--loss-target distribution``: step j at row i reads the target's final state at position i + j, where
+    its greedy label came from, and a distribution peaked on the label costs what the greedy token's loss does."""
+    from specdemo.training.eagle_unrolled import StateRows, distribution_loss, step_labels
+
+    head = random_head()
+    draft_ids = head.draft_ids.long()
+    sequences = []
+    for length, start in ((7, 3), (9, 4)):
+        greedy = torch.full((length,), -1, dtype=torch.int32)
+        greedy[start - 1 : length - 1] = draft_ids[torch.randint(0, 40, (length - start,))].int()
+        finals = torch.zeros(length - start + 1, 64)
+        for row, label in enumerate(greedy[start - 1 :].tolist()):  # peaked where the label is known
+            if label >= 0:
+                finals[row] = 60.0 * torch.linalg.pinv(head.lm_head.weight.detach())[:, (draft_ids == label).nonzero()[0, 0]]
+        sequences.append((torch.randint(0, 320, (length,), dtype=torch.int32), greedy, finals, start))
+    split = Split(torch.cat([s[0] for s in sequences]), torch.cat([s[1] for s in sequences]),
+                  torch.randn(16, 192), torch.tensor([7, 9]), torch.tensor([3, 4]),
+                  StateRows([s[2] for s in sequences]))
+    batch = make_batch(split, [0, 1], 3, with_finals=True)
+    assert batch.finals.shape == (3, 14, 64)
+    assert torch.equal(batch.finals[1, 6 + 3], sequences[1][2][3 + 2 - 3])  # sequence 1, row 3, step 2: position 5
+    assert not batch.finals[2, 6 + 6].any()  # row 6 + 3 steps is past the end
+    t2d = torch.full((320,), -1, dtype=torch.long)
+    t2d[draft_ids] = torch.arange(40)
+    logits = torch.randn(int(batch.active.sum()), 40)
+    for j, labels in enumerate(step_labels(batch, t2d)):
+        soft = distribution_loss(head, logits, batch.finals[j][batch.active], labels)
+        hard = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)
+        assert torch.allclose(soft, hard, atol=1e-3)
+    with pytest.raises(ValueError, match="hold no final hidden states"):
+        make_batch(replace(split, finals=None), [0], 3, with_finals=True)

@@ -110,6 +110,9 @@ CACHE_FORMAT = 1
 #: how the head starts (``--init``) and the dtypes its matmuls may train in (``--train-dtype``)
 INITS = ("random", "pass-through")
 TRAIN_DTYPES = ("bfloat16", "float32")
+#: what each draft step learns (``--loss-target``): the target's greedy token, or its next-token distribution over
+#: the draft vocabulary (read from its final hidden states, which the prompt pool's cache holds)
+LOSS_TARGETS = ("greedy", "distribution")
 
 
 @dataclass
@@ -143,6 +146,7 @@ class TrainSettings(CorpusSettings):
     batch_tokens: int = 1024
     train_dtype: str = "bfloat16"  # the head's matmuls while training (autocast; float32 weights and optimizer)
     loss_decay: float = 0.8
+    loss_target: str = "greedy"
     grad_clip: float = 0.5
     warmup_steps: int = 10
     #: "pass-through": the feature starts as the highest layer's state and the layer's two residual branches at
@@ -170,6 +174,7 @@ class TrainSettings(CorpusSettings):
 
     def train_key(self, draft_ids: torch.Tensor, config: EagleConfig) -> str:
         init = [self.init] if self.init != "random" else []  # absent for random: earlier checkpoints still resume
+        init += [self.loss_target] if self.loss_target != "greedy" else []  # so for the greedy token
         chat = [self.chat_answers_key(), self.chat_answers] if self.chat_answers else []  # absent: earlier keys hold
         passage = [self.passage_answers_key(), self.passage_answers] if self.passage_answers else []
         pool = [self.pool_answers_name(), *self.pool_selection()] if self.uses_pool() else []
@@ -196,6 +201,12 @@ def check_choices(settings: TrainSettings) -> None:
         raise ValueError(f"--train-dtype {settings.train_dtype}: {' or '.join(TRAIN_DTYPES)}")
     if settings.init not in INITS:
         raise ValueError(f"--init {settings.init}: {' or '.join(INITS)}")
+    if settings.loss_target not in LOSS_TARGETS:
+        raise ValueError(f"--loss-target {settings.loss_target}: {' or '.join(LOSS_TARGETS)}")
+    not_pool = settings.sequences or settings.answers or settings.chat_answers or settings.passage_answers
+    if settings.loss_target == "distribution" and (not_pool or not settings.uses_pool()):
+        raise ValueError("--loss-target distribution: only the prompt pool's answers store the target's final "
+                         "states (--pool-answers or --pool-part, with --sequences 0 --answers 0)")
     if settings.init_from is not None and settings.init != "random":
         raise ValueError(f"--init {settings.init} and --init-from: a head starts one way")
     if settings.intermediate_size < 0:
@@ -538,7 +549,8 @@ def train_epochs(settings: TrainSettings, run: HeadRun, splits: Splits, deadline
         while progress.epoch < settings.epochs and not progress.stopped:
             batches = run.plans[progress.epoch]
             while progress.position < len(batches):
-                batch = make_batch(splits.train, batches[progress.position], settings.steps_unrolled)
+                batch = make_batch(splits.train, batches[progress.position], settings.steps_unrolled,
+                                   with_finals=settings.loss_target == "distribution")
                 per_step = train_step(settings, run, batch, progress)
                 progress.position += 1
                 progress.step += 1
@@ -667,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
                              "run's training answers, the start's weights kept")
     parser.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens,
                         help="tokens per optimizer step (whole sequences)")
+    parser.add_argument("--loss-target", default=defaults.loss_target, choices=LOSS_TARGETS,
+                        help="what each draft step learns: the target's greedy token, or its whole next-token "
+                             "distribution over the draft vocabulary (prompt pool answers only)")
     parser.add_argument("--train-dtype", default=defaults.train_dtype, choices=TRAIN_DTYPES,
                         help="the head's matmuls while training (bfloat16: autocast, float32 weights and optimizer)")
     add_time_budget_argument(parser)

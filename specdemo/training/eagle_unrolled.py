@@ -46,13 +46,16 @@ class StateRows:
 class Split:
     """Cached sequences, concatenated: ``ids``, ``greedy`` [P], ``states`` [P, k*H] (a tensor or the shards'
     :class:`StateRows`); sequence s is ``offsets[s] : offsets[s] + lengths[s]``, its answer starting at
-    ``answer_starts[s]``."""
+    ``answer_starts[s]``. ``finals``, where the cache holds them (the prompt pool's): the target's final hidden
+    states [F, H] from each answer's first prediction on (position ``answer_starts[s] - 1``), sequence s's at
+    ``final_offsets[s]``; None where any sequence lacks them."""
 
     ids: torch.Tensor
     greedy: torch.Tensor
     states: StateRows | torch.Tensor
     lengths: torch.Tensor
     answer_starts: torch.Tensor
+    finals: StateRows | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.states, torch.Tensor):
@@ -61,6 +64,11 @@ class Split:
     @property
     def offsets(self) -> torch.Tensor:
         return torch.cumsum(self.lengths, 0) - self.lengths
+
+    @property
+    def final_offsets(self) -> torch.Tensor:
+        counts = self.lengths - self.answer_starts + 1
+        return torch.cumsum(counts, 0) - counts
 
     def __len__(self) -> int:
         return int(self.lengths.numel())
@@ -80,10 +88,15 @@ class Split:
 
     @staticmethod
     def join(parts: list[Split]) -> Split:
-        """The sequences of ``parts`` in order (their states' shards listed, not copied)."""
+        """The sequences of ``parts`` in order (their states' shards listed, not copied); finals where every part
+        with sequences has them."""
+        holding = [p for p in parts if len(p)]
+        finals = StateRows([shard for p in holding for shard in p.finals.parts]) \
+            if all(p.finals is not None for p in holding) else None
         return Split(*(torch.cat([getattr(p, name) for p in parts]) for name in ("ids", "greedy")),
                      StateRows([shard for p in parts for shard in p.states.parts]),
-                     *(torch.cat([getattr(p, name) for p in parts]) for name in ("lengths", "answer_starts")))
+                     *(torch.cat([getattr(p, name) for p in parts]) for name in ("lengths", "answer_starts")),
+                     finals)
 
 
 def load_split(folder: Path, name: str) -> Split:
@@ -105,7 +118,9 @@ class Batch:
     """Sequences side by side. Rows are positions 0..n-2 of each (a row needs the next token), flat in ``mask``'s
     row-major order. Per row: ``states``; ``tokens`` [S, N] (the token each step reads: token i+j at step j);
     ``labels`` [S, N] (the target's greedy token after it, -1 past the end or before the answer); ``active``
-    (rows that learn: from the answer's first prediction on)."""
+    (rows that learn: from the answer's first prediction on); with ``with_finals``, ``finals`` [S, N, H]: the
+    target's final hidden state where it wrote each step's label (zeros where there is none), whose next-token
+    distribution a step learns instead of its greedy token."""
 
     mask: torch.Tensor  # [B, L]
     states: torch.Tensor  # [N, k*H]
@@ -113,13 +128,30 @@ class Batch:
     tokens: torch.Tensor  # [S, N]
     labels: torch.Tensor  # [S, N]
     active: torch.Tensor  # [N]
+    finals: torch.Tensor | None = None  # [S, N, H]
 
 
-def make_batch(split: Split, members: list[int], steps: int) -> Batch:
+def _step_finals(split: Split, s: int, count: int, steps: int) -> torch.Tensor:
+    """Sequence ``s``'s final hidden states at position i + j for rows i < ``count`` and steps j (zeros before
+    the answer's first prediction and past the end): [S, count, H]."""
+    length, start = int(split.lengths[s]), int(split.answer_starts[s])
+    offset = int(split.final_offsets[s])
+    stored = split.finals[offset : offset + length - start + 1]
+    by_position = torch.zeros(length, stored.shape[-1], dtype=stored.dtype)
+    by_position[start - 1 :] = stored
+    here = torch.arange(count)
+    return torch.stack([torch.where((here + j < length)[:, None], by_position[(here + j).clamp(max=length - 1)], 0)
+                        for j in range(1, steps + 1)])
+
+
+def make_batch(split: Split, members: list[int], steps: int, with_finals: bool = False) -> Batch:
+    if with_finals and split.finals is None:
+        raise ValueError("these cached sequences hold no final hidden states (only the prompt pool's do)")
     offsets, lengths, starts = split.offsets, split.lengths, split.answer_starts
     rows = [int(lengths[s]) - 1 for s in members]
     mask = torch.zeros(len(members), max(rows), dtype=torch.bool)
     states, positions, tokens, labels, active = [], [], [], [], []
+    finals = [_step_finals(split, s, count, steps) for s, count in zip(members, rows)] if with_finals else None
     for b, s in enumerate(members):
         offset, length, count = int(offsets[s]), int(lengths[s]), rows[b]
         mask[b, :count] = True
@@ -138,7 +170,7 @@ def make_batch(split: Split, members: list[int], steps: int) -> Batch:
         labels.append(torch.stack(step_labels))
         active.append(here >= int(starts[s]) - 1)
     return Batch(mask, torch.cat(states), torch.cat(positions), torch.cat(tokens, 1), torch.cat(labels, 1),
-                 torch.cat(active))
+                 torch.cat(active), torch.cat(finals, 1) if finals is not None else None)
 
 
 def plan_batches(split: Split, order: list[int], batch_tokens: int) -> list[list[int]]:
@@ -266,8 +298,21 @@ def step_labels(batch: Batch, t2d: torch.Tensor) -> list[torch.Tensor]:
     return list(mapped.masked_fill(mapped < 0, -100))
 
 
+def distribution_loss(head: EagleHead, logits: torch.Tensor, finals: torch.Tensor,
+                      labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the head's ``logits`` against the target's own next-token distribution over the draft
+    vocabulary (its final hidden states ``finals`` read by the head's LM head, which is the target's rows at the
+    draft ids), over the rows whose greedy token is inside the draft vocabulary (``labels`` >= 0)."""
+    keep = labels >= 0
+    with torch.no_grad():
+        target = torch.softmax(F.linear(finals[keep], head.lm_head.weight).float(), -1)
+    return -(target * torch.log_softmax(logits[keep], -1)).sum(-1).mean()
+
+
 def unrolled_loss(head: EagleHead, embed_weight: torch.Tensor, batch: Batch, t2d: torch.Tensor, steps: int,
                   decay: float) -> tuple[torch.Tensor | None, list[float]]:
+    """The decayed sum over steps of each step's loss, and each step's: cross-entropy against the target's greedy
+    token, or against its whole distribution where the batch holds its final states (:func:`distribution_loss`)."""
     outputs = unrolled_forward(head, embed_weight, batch, steps)
     outputs[0] = outputs[0][batch.active]
     total: torch.Tensor | None = None
@@ -276,7 +321,11 @@ def unrolled_loss(head: EagleHead, embed_weight: torch.Tensor, batch: Batch, t2d
         if not bool((labels >= 0).any()):
             per_step.append(float("nan"))
             continue
-        loss = F.cross_entropy(head.logits(output).float(), labels, ignore_index=-100)
+        logits = head.logits(output).float()
+        if batch.finals is None:
+            loss = F.cross_entropy(logits, labels, ignore_index=-100)
+        else:
+            loss = distribution_loss(head, logits, batch.finals[j][batch.active], labels)
         total = decay**j * loss if total is None else total + decay**j * loss
         per_step.append(float(loss.detach()))
     return total, per_step

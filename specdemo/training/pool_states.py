@@ -364,7 +364,7 @@ def eagle_split(folder: Path, sequences: list[dict]) -> Split:
         return Split.empty()
     return Split(torch.cat([r.ids for r in rows]), torch.cat([r.greedy for r in rows]),
                  StateRows([r.states for r in rows]), torch.tensor([len(r.ids) for r in rows]),
-                 torch.tensor([r.answer_start for r in rows]))
+                 torch.tensor([r.answer_start for r in rows]), StateRows([r.final for r in rows]))
 
 
 def final_states(folder: Path, sequences: list[dict]) -> tuple[torch.Tensor, list[torch.Tensor]]:
