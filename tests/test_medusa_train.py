@@ -189,3 +189,37 @@ def test_a_time_budget_stops_in_the_state_fill_or_in_training_and_the_same_comma
     capsys.readouterr()
     assert medusa.main(["--out", str(tmp_path / "cli")]) == 0  # the command line says so in one line
     assert capsys.readouterr().out.startswith("stopped: the time budget ran out while caching")
+
+
+def test_each_head_can_learn_the_distribution_its_label_was_written_from(tmp_path):
+    """``--loss-target distribution``: head k's label at a cached position t is the target's argmax over its final
+    state at t + k of the same flat cache (library text and pool answers alike): the state the loss reads there."""
+    import pytest
+
+    from specdemo.training import pool
+    from specdemo.training.medusa import cache_corpus, load_states
+    from specdemo.training.prompt_pool import PoolPrompt, pool_shards
+
+    target, _ = save_tiny_pair(tmp_path / "pair")
+    folder = tmp_path / "pool"
+    prompts = [PoolPrompt("request", f"magpie:test#{i}", f"Name {i} birds of the coast.") for i in range(6)]
+    pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts))
+    assert pool.main(["--target", target, "--dtype", "float32", "--answer-tokens", "24", "--batch", "3", "--folder",
+                      str(folder), "--phases", "answers"]) == 0
+    settings = TrainSettings(
+        target=target, out=tmp_path / "heads", num_heads=2, head_tokens=0, sequences=2, sequence_tokens=256,
+        held_out_sequences=1, epochs=1, batch_size=64, dtype="float32", cache_dir=tmp_path / "cache",
+        answer_tokens=24, held_out_every=4, pool_answers=6, pool_folder=folder, loss_target="distribution",
+    )
+    report = train(settings)
+    assert report["settings"]["loss_target"] == "distribution" and all(v > 0 for v in report["last_train_loss_per_head"])
+    greedy = train(TrainSettings(**{**settings.__dict__, "loss_target": "greedy", "out": tmp_path / "greedy"}))
+    assert greedy["weights_sha256"] != report["weights_sha256"]
+    corpus = cache_corpus(settings)
+    states = load_states(settings, corpus)
+    for k in (1, 2):
+        (at,) = (states.labels[k - 1] >= 0).nonzero(as_tuple=True)
+        written = (states.hidden[at + k].float() @ corpus.weight.float().T).argmax(-1)
+        assert at.numel() > 100 and float((written == states.labels[k - 1, at]).float().mean()) > 0.99
+    with pytest.raises(ValueError, match="--loss-target soft: greedy or distribution"):
+        train(TrainSettings(**{**settings.__dict__, "loss_target": "soft"}))

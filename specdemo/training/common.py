@@ -91,6 +91,24 @@ class CorpusSpec:
                    else ""))
 
 
+#: what a head learns at each position (``--loss-target``, both trainers): the target's greedy token, or its whole
+#: next-token distribution over the tokens the head scores, from the target's final hidden state there
+LOSS_TARGETS = ("greedy", "distribution")
+
+
+def distribution_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of ``logits`` [N, V] against the distributions of ``target_logits`` [N, V] (softmax
+    over the same V tokens; no gradient flows into the target's)."""
+    target = torch.softmax(target_logits.detach().float(), -1)
+    return -(target * torch.log_softmax(logits.float(), -1)).sum(-1).mean()
+
+
+def check_loss_target(loss_target: str) -> None:
+    """Refuse a ``--loss-target`` that is not one of :data:`LOSS_TARGETS`, in one line."""
+    if loss_target not in LOSS_TARGETS:
+        raise ValueError(f"--loss-target {loss_target}: {' or '.join(LOSS_TARGETS)}")
+
+
 class CorpusSettings:
     """What a trainer's settings derive from their corpus fields (``target``, ``dtype``, ``cache_dir``, the
     :class:`CorpusSpec` fields and a ``corpus_key()`` of the trainer's own): the spec, the cache folder and the
@@ -205,6 +223,9 @@ def add_corpus_arguments(parser: argparse.ArgumentParser, defaults: CorpusSettin
     parser.add_argument("--epochs", type=int, default=defaults.epochs)
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate,
                         help="peak learning rate (AdamW)")
+    parser.add_argument("--loss-target", default=defaults.loss_target, choices=LOSS_TARGETS,
+                        help="what a head learns at each position: the target's greedy token, or its whole "
+                             "next-token distribution over the tokens the head scores (EAGLE: prompt pool answers only)")
     parser.add_argument("--cache-dir", type=Path, default=None)
 
 

@@ -65,6 +65,7 @@ from .common import (
     CorpusSettings,
     CorpusSpec,
     add_corpus_arguments,
+    check_loss_target,
     code_corpus,
     lineage,
     read_checkpoint,
@@ -110,9 +111,6 @@ CACHE_FORMAT = 1
 #: how the head starts (``--init``) and the dtypes its matmuls may train in (``--train-dtype``)
 INITS = ("random", "pass-through")
 TRAIN_DTYPES = ("bfloat16", "float32")
-#: what each draft step learns (``--loss-target``): the target's greedy token, or its next-token distribution over
-#: the draft vocabulary (read from its final hidden states, which the prompt pool's cache holds)
-LOSS_TARGETS = ("greedy", "distribution")
 
 
 @dataclass
@@ -146,7 +144,7 @@ class TrainSettings(CorpusSettings):
     batch_tokens: int = 1024
     train_dtype: str = "bfloat16"  # the head's matmuls while training (autocast; float32 weights and optimizer)
     loss_decay: float = 0.8
-    loss_target: str = "greedy"
+    loss_target: str = "greedy"  # one of LOSS_TARGETS; "distribution" reads the pool cache's final states
     grad_clip: float = 0.5
     warmup_steps: int = 10
     #: "pass-through": the feature starts as the highest layer's state and the layer's two residual branches at
@@ -201,8 +199,7 @@ def check_choices(settings: TrainSettings) -> None:
         raise ValueError(f"--train-dtype {settings.train_dtype}: {' or '.join(TRAIN_DTYPES)}")
     if settings.init not in INITS:
         raise ValueError(f"--init {settings.init}: {' or '.join(INITS)}")
-    if settings.loss_target not in LOSS_TARGETS:
-        raise ValueError(f"--loss-target {settings.loss_target}: {' or '.join(LOSS_TARGETS)}")
+    check_loss_target(settings.loss_target)
     not_pool = settings.sequences or settings.answers or settings.chat_answers or settings.passage_answers
     if settings.loss_target == "distribution" and (not_pool or not settings.uses_pool()):
         raise ValueError("--loss-target distribution: only the prompt pool's answers store the target's final "
@@ -679,9 +676,6 @@ def main(argv: list[str] | None = None) -> int:
                              "run's training answers, the start's weights kept")
     parser.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens,
                         help="tokens per optimizer step (whole sequences)")
-    parser.add_argument("--loss-target", default=defaults.loss_target, choices=LOSS_TARGETS,
-                        help="what each draft step learns: the target's greedy token, or its whole next-token "
-                             "distribution over the draft vocabulary (prompt pool answers only)")
     parser.add_argument("--train-dtype", default=defaults.train_dtype, choices=TRAIN_DTYPES,
                         help="the head's matmuls while training (bfloat16: autocast, float32 weights and optimizer)")
     add_time_budget_argument(parser)

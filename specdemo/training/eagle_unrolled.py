@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.eagle3_head import EagleHead
-from .common import read_shards
+from .common import distribution_cross_entropy, read_shards
 
 
 class StateRows:
@@ -305,8 +305,8 @@ def distribution_loss(head: EagleHead, logits: torch.Tensor, finals: torch.Tenso
     draft ids), over the rows whose greedy token is inside the draft vocabulary (``labels`` >= 0)."""
     keep = labels >= 0
     with torch.no_grad():
-        target = torch.softmax(F.linear(finals[keep], head.lm_head.weight).float(), -1)
-    return -(target * torch.log_softmax(logits[keep], -1)).sum(-1).mean()
+        target_logits = F.linear(finals[keep], head.lm_head.weight)
+    return distribution_cross_entropy(logits[keep], target_logits)
 
 
 def unrolled_loss(head: EagleHead, embed_weight: torch.Tensor, batch: Batch, t2d: torch.Tensor, steps: int,

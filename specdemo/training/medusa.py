@@ -57,6 +57,8 @@ from .common import (
     read_shards,
     run_record,
     save_checkpoint,
+    check_loss_target,
+    distribution_cross_entropy,
     weights_digest,
     write_shards,
     write_training_json,
@@ -93,6 +95,7 @@ class TrainSettings(CorpusSettings):
     batch_size: int = 256
     learning_rate: float = 1e-3
     loss_decay: float = 0.8
+    loss_target: str = "greedy"  # one of LOSS_TARGETS
     seed: int = 0
     dtype: str = "bfloat16"
     cache_dir: Path | None = None
@@ -195,14 +198,20 @@ def _sub_labels(labels: torch.Tensor, head_tokens: int) -> torch.Tensor:
 
 
 def head_loss(
-    heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, decay: float
+    heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, decay: float,
+    targets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
-    """Weighted cross-entropy over heads; labels [K, B] in sub-vocabulary ids (-100 = ignore)."""
+    """Weighted cross-entropy over heads; labels [K, B] in sub-vocabulary ids (-100 = ignore). Against the greedy
+    tokens, or with ``targets`` [K, B, H] (the target's final hidden state where it wrote each label) against the
+    target's distribution over the scored tokens there, on the same positions."""
     logits = heads.features(hidden) @ weight.T  # [K, B, V']
     total = torch.zeros((), dtype=torch.float32)
     per_head = []
     for k in range(logits.shape[0]):
-        if bool((labels[k] >= 0).any()):
+        keep = labels[k] >= 0
+        if bool(keep.any()) and targets is not None:
+            loss = distribution_cross_entropy(logits[k][keep], targets[k][keep] @ weight.T)
+        elif bool(keep.any()):
             loss = torch.nn.functional.cross_entropy(logits[k].float(), labels[k], ignore_index=-100)
         else:
             loss = torch.zeros((), dtype=torch.float32)
@@ -451,8 +460,12 @@ def train_epochs(settings: TrainSettings, run: HeadsRun, states: States, deadlin
 
 def train_step(settings: TrainSettings, run: HeadsRun, hidden: torch.Tensor, index: torch.Tensor) -> None:
     """One optimizer step over the positions ``index`` (none when no position has a target the heads can score)."""
-    loss, per_head = head_loss(run.heads, hidden[index].float(), run.train_labels[:, index], run.weight,
-                               settings.loss_decay)
+    labels = run.train_labels[:, index]
+    targets = None
+    if settings.loss_target == "distribution":  # head k's label at t was written at t + k, in the same sequence
+        ahead = torch.arange(1, labels.shape[0] + 1)[:, None]
+        targets = hidden[(index[None, :] + ahead).clamp(max=hidden.shape[0] - 1)].float()
+    loss, per_head = head_loss(run.heads, hidden[index].float(), labels, run.weight, settings.loss_decay, targets)
     if not loss.requires_grad:
         return
     run.optimizer.zero_grad(set_to_none=True)
@@ -504,6 +517,7 @@ def train(settings: TrainSettings) -> dict:
                          "answers, choose one")
     if settings.uses_pool():
         settings.pool_selection()  # one of --pool-answers and --pool-part
+    check_loss_target(settings.loss_target)
     started = time.perf_counter()
     deadline = Deadline(settings.time_budget_minutes or None)
     torch.manual_seed(settings.seed)
@@ -519,9 +533,10 @@ def _train_key(settings: TrainSettings) -> list:
         if settings.uses_pool() else []
     start = [weights_digest(weights_file(Path(settings.init_from)), settings.init_from)] \
         if settings.init_from is not None else []  # absent: earlier keys hold
+    label = [settings.loss_target] if settings.loss_target != "greedy" else []  # absent: earlier keys hold
     return [settings.corpus_key(), settings.answers_key() if settings.answers else None, *pool, *start,
             settings.num_heads, settings.head_tokens, settings.epochs, settings.batch_size, settings.learning_rate,
-            settings.loss_decay]
+            settings.loss_decay, *label]
 
 
 def main(argv: list[str] | None = None) -> int:
