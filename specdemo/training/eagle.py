@@ -172,7 +172,7 @@ class TrainSettings(CorpusSettings):
 
     def train_key(self, draft_ids: torch.Tensor, config: EagleConfig) -> str:
         init = [self.init] if self.init != "random" else []  # absent for random: earlier checkpoints still resume
-        init += [self.loss_target] if self.loss_target != "greedy" else []  # so for the greedy token
+        init += [self.loss_target] if self.loss_target != "greedy" else []  # absent for greedy: the same
         chat = [self.chat_answers_key(), self.chat_answers] if self.chat_answers else []  # absent: earlier keys hold
         passage = [self.passage_answers_key(), self.passage_answers] if self.passage_answers else []
         pool = [self.pool_answers_name(), *self.pool_selection()] if self.uses_pool() else []
