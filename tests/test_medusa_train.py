@@ -95,23 +95,31 @@ def test_the_target_answers_prompts_itself_and_its_answers_join_the_corpus(tmp_p
     assert (settings.answers_path() / "answers.jsonl").stat().st_mtime_ns == before
 
 
-def test_the_pools_stored_answers_train_the_heads_instead_of_generated_ones(tmp_path):
-    import pytest
-
+def answered_pool_settings(tmp_path: Path, prompts: list, **changes) -> TrainSettings:
+    """A pool of ``prompts`` in ``tmp_path / "pool"``, answered by a tiny target (states recorded), and settings
+    that train two heads on the first six stored answers and two library sequences."""
     from specdemo.training import pool
-    from specdemo.training.prompt_pool import PoolPrompt, pool_shards
+    from specdemo.training.prompt_pool import pool_shards
 
     target, _ = save_tiny_pair(tmp_path / "pair")
     folder = tmp_path / "pool"
-    prompts = [PoolPrompt("summary", f"man:tool{i}.1", f"Summarize: tool {i} copies files quickly.") for i in range(6)]
     pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts))
     assert pool.main(["--target", target, "--dtype", "float32", "--answer-tokens", "24", "--batch", "3", "--folder",
                       str(folder), "--phases", "answers"]) == 0
-    settings = TrainSettings(
+    return TrainSettings(
         target=target, out=tmp_path / "heads", num_heads=2, head_tokens=0, sequences=2, sequence_tokens=256,
         held_out_sequences=1, epochs=1, batch_size=64, dtype="float32", cache_dir=tmp_path / "cache",
-        answer_tokens=24, held_out_every=4, pool_answers=6, pool_folder=folder,
+        answer_tokens=24, held_out_every=4, pool_answers=6, pool_folder=folder, **changes,
     )
+
+
+def test_the_pools_stored_answers_train_the_heads_instead_of_generated_ones(tmp_path):
+    import pytest
+
+    from specdemo.training.prompt_pool import PoolPrompt
+
+    settings = answered_pool_settings(
+        tmp_path, [PoolPrompt("summary", f"man:tool{i}.1", f"Summarize: tool {i} copies files quickly.") for i in range(6)])
     report = train(settings)
     answers = report["answers"]
     assert answers["prompts_per_kind"] == {"summary": 6} and len(answers["held_out_top1_per_head"]) == 2
@@ -196,21 +204,12 @@ def test_each_head_can_learn_the_distribution_its_label_was_written_from(tmp_pat
     state at t + k of the same flat cache (library text and pool answers alike): the state the loss reads there."""
     import pytest
 
-    from specdemo.training import pool
     from specdemo.training.medusa import cache_corpus, load_states
-    from specdemo.training.prompt_pool import PoolPrompt, pool_shards
+    from specdemo.training.prompt_pool import PoolPrompt
 
-    target, _ = save_tiny_pair(tmp_path / "pair")
-    folder = tmp_path / "pool"
-    prompts = [PoolPrompt("request", f"magpie:test#{i}", f"Name {i} birds of the coast.") for i in range(6)]
-    pool_shards(folder).append(prompt.row(i) for i, prompt in enumerate(prompts))
-    assert pool.main(["--target", target, "--dtype", "float32", "--answer-tokens", "24", "--batch", "3", "--folder",
-                      str(folder), "--phases", "answers"]) == 0
-    settings = TrainSettings(
-        target=target, out=tmp_path / "heads", num_heads=2, head_tokens=0, sequences=2, sequence_tokens=256,
-        held_out_sequences=1, epochs=1, batch_size=64, dtype="float32", cache_dir=tmp_path / "cache",
-        answer_tokens=24, held_out_every=4, pool_answers=6, pool_folder=folder, loss_target="distribution",
-    )
+    settings = answered_pool_settings(
+        tmp_path, [PoolPrompt("request", f"magpie:test#{i}", f"Name {i} birds of the coast.") for i in range(6)],
+        loss_target="distribution")
     report = train(settings)
     assert report["settings"]["loss_target"] == "distribution" and all(v > 0 for v in report["last_train_loss_per_head"])
     greedy = train(TrainSettings(**{**settings.__dict__, "loss_target": "greedy", "out": tmp_path / "greedy"}))
