@@ -38,6 +38,7 @@ from .bench_report import (
     split_mode,
     with_variant,
 )
+from .bench_checkpoint import BenchCheckpoint, checkpoint_path, run_key
 from .bench_run import BenchConfig, drafts_with_other_tokenizer, mode_draft, needs_draft_model, run_benchmark
 from .core.economics import CostCurve
 from .core.errors import InputError
@@ -45,7 +46,7 @@ from .core.files import write_json_atomic
 from .core.settings import COMPILE_CHOICES, SamplingSettings
 from .methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, check_pair, describe_methods
 from .methods.ngram import NGRAM_PREFERENCES
-from .session.calibration import FormatChoice, choose_format, refresh_if_stale
+from .session.calibration import FormatChoice, choose_format, detect_hardware, refresh_if_stale
 from .session.compiling import check_compile_choice, choose_passes
 from .session.presets import PRESETS, default_preset_key, get_preset, preset_eagle_head
 from .session.prompts import Prompt, PromptFileError, load_prompts
@@ -291,6 +292,9 @@ def _read_request(args: argparse.Namespace) -> _Request:
         raise InputError("--warmup must be >= 0 and --repeats >= 1")
     if not 1 <= args.passes <= 4:
         raise InputError(f"--passes must be from 1 to 4, got {args.passes}")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and not path.parent.is_dir():  # before the models load, not after the run
+            raise InputError(f"{option}: no folder {path.parent}")
     target, draft, eagle_head = _sources(args)
     needs_draft = any(needs_draft_model(m) and not (drafts_with_other_tokenizer(m) and args.uag_draft) for m in modes)
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
@@ -387,6 +391,22 @@ def _complete_report(report: dict, curve: CostCurve | None, request: _Request, m
               "at the next run", file=sys.stderr)
 
 
+def _open_checkpoint(json_path: Path | None, config: BenchConfig, request: _Request,
+                     target: LoadedModel) -> BenchCheckpoint | None:
+    """The run kept for ``json_path`` (resumed when it is this command's on this machine), None without a JSON."""
+    if json_path is None:
+        return None
+    prompts = [(p.id, p.category, p.text) for p in request.prompts]
+    return BenchCheckpoint.open(json_path, run_key(asdict(config), prompts, detect_hardware(target.device)))
+
+
+def _interrupted(json_path: Path | None) -> str:
+    """The line a stopped bench prints: what it kept for the same command to resume."""
+    if json_path is not None and checkpoint_path(json_path).exists():
+        return f"interrupted: the prompts finished are kept in {checkpoint_path(json_path)}; the same command resumes"
+    return "interrupted: nothing written"
+
+
 def _write(report: dict, json_path: Path | None, plot_path: Path | None) -> None:
     """Print the table and the verify costs; write the JSON and the chart where asked."""
     print(format_table(report["summary"], report["by_category"]))
@@ -418,21 +438,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         request = _read_request(args)
         models = _load_models(args, request)
         config = _bench_config(args, request, models.target)
+        checkpoint = _open_checkpoint(args.json, config, request, models.target)
         curve = _calibrate(args.calibration, request, models)
         variants = {(choice if len(request.compile) > 1 else ""):
                     choose_passes(choice, models.target, measure=args.calibration != "off")
                     for choice in request.compile}
         report = run_benchmark(config, models.target, models.draft, request.prompts, request.spec,
                                progress=not args.quiet, uag_draft=models.uag_draft, calibration=curve,
-                               variants=variants)
+                               variants=variants, checkpoint=checkpoint)
         _complete_report(report, curve, request, models)
     except (InputError, PromptFileError, ModelLoadError, OfflinePackError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: nothing written", file=sys.stderr)
+        print(_interrupted(args.json), file=sys.stderr)
         return 130
     _write(report, args.json, args.plot)
+    if checkpoint is not None:
+        checkpoint.discard()
     return 0
 
 

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from .backends.loading import LoadedModel
 from .backends.suffix_trees import SuffixMemory
+from .bench_checkpoint import BenchCheckpoint, PromptRecord
 from .bench_report import aggregate, environment, plain_of, split_mode
 from .core.clock import now
 from .core.economics import CostCurve
@@ -182,6 +183,8 @@ class BenchRun:
     variants: dict[str, CompileOutcome] = field(default_factory=dict)
     #: the longest prompt and answer of the bench, in tokens (set by :meth:`encode`)
     longest: int | None = None
+    #: the prompts finished so far, kept after each one (None: not kept)
+    checkpoint: BenchCheckpoint | None = None
 
     @property
     def sampling(self) -> SamplingSettings:
@@ -284,32 +287,46 @@ class BenchRun:
     def run_prompts(
         self, encoded: list[tuple[Prompt, list[int]]], progress: bool
     ) -> tuple[list[dict], dict[tuple[str, str], Counters]]:
-        """The results entries of every mode on every prompt, and the engine's counters of each, by (prompt, mode)."""
+        """The results entries of every mode on every prompt, and the engine's counters of each, by (prompt, mode):
+        the prompts a kept run finished read back, the others timed (and kept, one by one)."""
         results: list[dict] = []
         counters: dict[tuple[str, str], Counters] = {}
-        passes = self.config.passes
-        total = len(encoded) * len(self.config.modes) * self.config.repeats * passes
-        bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
+        passes, runs_per_prompt = self.config.passes, len(self.config.modes) * self.config.repeats
+        kept = self.checkpoint.done if self.checkpoint is not None else []
+        total = len(encoded) * runs_per_prompt * passes
+        bar = tqdm(total=total, initial=min(len(kept), total) * runs_per_prompt, desc="bench", unit="run",
+                   disable=not progress)
         for index, (number, (prompt, ids)) in enumerate((n, p) for n in range(1, passes + 1) for p in encoded):
             if number > 1:  # the same prompt again: its own entries
                 prompt = replace(prompt, id=f"{prompt.id}#{number}")
-            runs = self.time_prompt(index, ids, bar)
-            chosen = {mode: _median(mode_runs) for mode, mode_runs in runs.items()}
-            for mode, run in chosen.items():
-                plain = chosen.get(plain_of(mode, self.config.modes))
-                results.append({**self.row(prompt, ids, mode, run, runs[mode], plain), "pass": number})
-                if run.counters is not None:
-                    counters[(prompt.id, mode)] = run.counters
-            self.remember(chosen)
+            record = kept[index] if index < len(kept) else self.time_record(index, number, prompt, ids, bar)
+            results.extend(record.rows)
+            counters.update({(prompt.id, mode): c for mode, c in record.counters_by_mode().items()})
+            if self.memory is not None and record.remembered is not None:
+                self.memory.remember(record.remembered)
         bar.close()
         return results, counters
 
-    def remember(self, chosen: dict[str, ModeRun]) -> None:
-        """After a prompt's runs: its answer into the memory (the first mode's that drafts from it), so the next
+    def time_record(self, index: int, number: int, prompt: Prompt, ids: list[int], bar: tqdm) -> PromptRecord:
+        """Time every mode on the prompt: its results entries, counters and remembered answer, kept when the run
+        keeps a checkpoint."""
+        runs = self.time_prompt(index, ids, bar)
+        chosen = {mode: _median(mode_runs) for mode, mode_runs in runs.items()}
+        rows = []
+        for mode, run in chosen.items():
+            plain = chosen.get(plain_of(mode, self.config.modes))
+            rows.append({**self.row(prompt, ids, mode, run, runs[mode], plain), "pass": number})
+        counters = {mode: asdict(run.counters) for mode, run in chosen.items() if run.counters is not None}
+        record = PromptRecord(rows, counters, self.remembered(chosen))
+        if self.checkpoint is not None:
+            self.checkpoint.save(record)
+        return record
+
+    @staticmethod
+    def remembered(chosen: dict[str, ModeRun]) -> list[int] | None:
+        """After a prompt's runs: its answer for the memory (the first mode's that drafts from it), so the next
         prompts, never this one, draft from it."""
-        answer = next((run for mode, run in chosen.items() if _drafts_from_memory(mode)), None)
-        if self.memory is not None and answer is not None:
-            self.memory.remember(answer.ids)
+        return next((run.ids for mode, run in chosen.items() if _drafts_from_memory(mode)), None)
 
 
 def _drafts_from_memory(mode: str) -> bool:
@@ -333,16 +350,21 @@ def run_benchmark(
     uag_draft: LoadedModel | None = None,
     calibration: CostCurve | None = None,
     variants: dict[str, CompileOutcome] | None = None,
+    checkpoint: BenchCheckpoint | None = None,
 ) -> dict:
     """Encode the prompts, compile and warm every mode up, time every mode on every prompt, and summarise: the
-    report. ``variants``: how the target's passes run, per variant of the modes (default: eager)."""
+    report. ``variants``: how the target's passes run, per variant of the modes (default: eager); ``checkpoint``:
+    the prompts a stopped run finished (not timed again), and where each finished prompt is kept."""
     memory = None
     if config.suffix_memory and any(_drafts_from_memory(mode) for mode in config.modes):
         memory = SuffixMemory()
-    bench = BenchRun(config, target, draft, uag_draft, spec, calibration, memory, dict(variants or {}))
+    bench = BenchRun(config, target, draft, uag_draft, spec, calibration, memory, dict(variants or {}),
+                     checkpoint=checkpoint)
     encoded = bench.encode(prompts)
     bench.compile()
     bench.warm(encoded[0][1])  # before any answer is remembered
+    if checkpoint is not None:
+        checkpoint.begin({variant: outcome.as_record() for variant, outcome in bench.variants.items()})
     results, counters = bench.run_prompts(encoded, progress)
     summary = aggregate(results, config.modes, counters)
     by_category: dict[str, dict[str, dict]] = {}
@@ -357,6 +379,8 @@ def run_benchmark(
         "by_category": by_category,
         "suffix_memory": memory.describe() if memory is not None else None,  # what it held at the end
         "compile": {variant: outcome.as_record() for variant, outcome in bench.variants.items()},
+        # every process that timed prompts of this run (one unless a stopped run was resumed); None: not kept
+        "processes": checkpoint.processes if checkpoint is not None else None,
     }
     if config.passes > 1:
         report["by_pass"] = {

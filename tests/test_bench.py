@@ -13,9 +13,12 @@ from tiny import save_tiny_heads, save_tiny_pair
 
 from specdemo import bench
 from specdemo.backends.loading import clear_model_cache
+from specdemo.bench_run import BenchRun
 from specdemo.session.results import RunResult, divergence
 
 pytestmark = pytest.mark.usefixtures("own_cache")
+
+TIME_PROMPT = BenchRun.time_prompt  # the bench's own, which the resume tests wrap
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +266,79 @@ def test_bench_races_twice_with_a_memory_of_earlier_answers(pair, prompt_file, t
     off = _run(pair, prompt_file, tmp_path, "--modes", "plain,suffix", "--suffix-memory", "off")
     assert off["suffix_memory"] is None and off["config"]["suffix_memory"] is False and "by_pass" not in off
     assert bench.main(["--target", pair[0], "--prompts", str(prompt_file), "--passes", "9", "--quiet"]) == 2
+
+
+def _bench_until(pair, prompt_file, out: Path, monkeypatch, stop_at: int | None, *extra: str) -> tuple[int, list[int]]:
+    """Run the bench into ``out``, stopped (as by Ctrl-C) when it comes to time prompt ``stop_at``: its exit code
+    and the prompts it timed."""
+    clear_model_cache()
+    timed: list[int] = []
+
+    def timing(self, index, prompt_ids, bar):
+        if index == stop_at:
+            raise KeyboardInterrupt
+        timed.append(index)
+        return TIME_PROMPT(self, index, prompt_ids, bar)
+
+    monkeypatch.setattr(BenchRun, "time_prompt", timing)
+    code = bench.main(["--target", pair[0], "--draft", pair[1], "--prompts", str(prompt_file), "--dtype", "float32",
+                       "--device", "cpu", "--max-new-tokens", "12", "--warmup", "1", "--calibration", "off",
+                       "--json", str(out), "--quiet", *extra])
+    return code, timed
+
+
+def test_bench_resumes_a_stopped_run(pair, prompt_file, tmp_path, capsys, monkeypatch):
+    """A run stopped after its first prompt keeps that prompt beside the JSON; the same command times only the rest,
+    writes the whole report with the kept prompt's entries as they were, and removes the checkpoint."""
+    out, partial = tmp_path / "out.json", tmp_path / "out.json.partial"
+    modes = ("--modes", "plain,draft,ngram", "--num-draft-tokens", "3")
+    assert _bench_until(pair, prompt_file, out, monkeypatch, 1, *modes) == (130, [0])
+    assert "the same command resumes" in capsys.readouterr().err and not out.exists()
+    kept = json.loads(partial.read_text())
+    assert len(kept["done"]) == 1 and [row["mode"] for row in kept["done"][0]["rows"]] == ["plain", "draft", "ngram"]
+
+    assert _bench_until(pair, prompt_file, out, monkeypatch, None, *modes) == (0, [1, 2])
+    assert "resuming: 1 prompts already timed" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert not partial.exists() and len(report["results"]) == 9 and all(r["identical"] for r in report["results"])
+    assert report["results"][:3] == kept["done"][0]["rows"]  # read back, not timed again
+    assert [p["first_prompt"] for p in report["processes"]] == [0, 1]
+    drafts = [r for r in report["results"] if r["mode"] == "draft"]  # the kept prompt's counters count too
+    expected = sum(r["new_tokens"] for r in drafts) / sum(r["target_passes"] for r in drafts)
+    assert report["summary"]["draft"]["tokens_per_target_pass"] == pytest.approx(expected)
+
+
+def test_bench_starts_over_when_the_kept_run_is_another(pair, prompt_file, tmp_path, capsys, monkeypatch):
+    """A checkpoint of other settings, of another machine, or unreadable, is not resumed: one line says why and
+    every prompt is timed."""
+    from specdemo.core.economics import Hardware
+
+    out, partial = tmp_path / "out.json", tmp_path / "out.json.partial"
+    assert _bench_until(pair, prompt_file, out, monkeypatch, 1)[0] == 130
+    assert _bench_until(pair, prompt_file, out, monkeypatch, None, "--max-new-tokens", "10") == (0, [0, 1, 2])
+    assert "not resumed (other settings: max_new_tokens)" in capsys.readouterr().out
+    assert len(json.loads(out.read_text())["processes"]) == 1
+
+    assert _bench_until(pair, prompt_file, out, monkeypatch, 1)[0] == 130
+    monkeypatch.setattr(bench, "detect_hardware", lambda device: Hardware("cpu", "another CPU"))
+    assert _bench_until(pair, prompt_file, out, monkeypatch, None) == (0, [0, 1, 2])
+    assert "not resumed (measured on another machine)" in capsys.readouterr().out
+
+    partial.write_text('{"key": ')
+    assert _bench_until(pair, prompt_file, out, monkeypatch, None) == (0, [0, 1, 2])
+    assert "not resumed (unreadable: JSONDecodeError)" in capsys.readouterr().out and not partial.exists()
+    assert bench.main(["--target", pair[0], "--prompts", str(prompt_file), "--json", str(tmp_path / "no" / "o.json"),
+                       "--quiet", "--calibration", "off"]) == 2
+    assert "--json: no folder" in capsys.readouterr().err
+
+
+def test_bench_resume_refills_the_suffix_memory(pair, prompt_file, tmp_path, monkeypatch):
+    """A resumed run's suffix memory holds the kept prompts' answers, in order, as an uninterrupted run's would."""
+    pytest.importorskip("arctic_inference.suffix_decoding._C", reason="the suffix mode needs arctic-inference")
+    out = tmp_path / "out.json"
+    modes = ("--modes", "plain,suffix", "--num-draft-tokens", "4", "--passes", "2")
+    assert _bench_until(pair, prompt_file, out, monkeypatch, 4, *modes) == (130, [0, 1, 2, 3])
+    assert _bench_until(pair, prompt_file, out, monkeypatch, None, *modes) == (0, [4, 5])
+    report = json.loads(out.read_text())
+    assert report["suffix_memory"]["answers"] == 6 and all(r["identical"] for r in report["results"])
+    assert report["by_pass"]["pass 2"]["suffix"]["accepted_by_source"]["earlier answer"] > 0
