@@ -29,6 +29,7 @@ from .backends.loading import (
     resolve_format,
 )
 from .backends.offline import OfflinePackError
+from .bench_checkpoint import BenchCheckpoint, run_key
 from .bench_report import (
     aggregate,
     format_table,
@@ -38,7 +39,6 @@ from .bench_report import (
     split_mode,
     with_variant,
 )
-from .bench_checkpoint import BenchCheckpoint, checkpoint_path, run_key
 from .bench_run import BenchConfig, drafts_with_other_tokenizer, mode_draft, needs_draft_model, run_benchmark
 from .core.economics import CostCurve
 from .core.errors import InputError
@@ -400,10 +400,11 @@ def _open_checkpoint(json_path: Path | None, config: BenchConfig, request: _Requ
     return BenchCheckpoint.open(json_path, run_key(asdict(config), prompts, detect_hardware(target.device)))
 
 
-def _interrupted(json_path: Path | None) -> str:
+def _interrupted(checkpoint: BenchCheckpoint | None) -> str:
     """The line a stopped bench prints: what it kept for the same command to resume."""
-    if json_path is not None and checkpoint_path(json_path).exists():
-        return f"interrupted: the prompts finished are kept in {checkpoint_path(json_path)}; the same command resumes"
+    if checkpoint is not None and checkpoint.done:
+        return (f"interrupted: {len(checkpoint.done)} prompts finished are kept in {checkpoint.path}; the same "
+                "command resumes")
     return "interrupted: nothing written"
 
 
@@ -434,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    checkpoint = None
     try:
         request = _read_request(args)
         models = _load_models(args, request)
@@ -451,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(_interrupted(args.json), file=sys.stderr)
+        print(_interrupted(checkpoint), file=sys.stderr)
         return 130
     _write(report, args.json, args.plot)
     if checkpoint is not None:
