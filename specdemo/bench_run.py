@@ -363,8 +363,9 @@ def run_benchmark(
     encoded = bench.encode(prompts)
     bench.compile()
     bench.warm(encoded[0][1])  # before any answer is remembered
+    compiled = {variant: outcome.as_record() for variant, outcome in bench.variants.items()}
     if checkpoint is not None:
-        checkpoint.begin({variant: outcome.as_record() for variant, outcome in bench.variants.items()})
+        checkpoint.begin(compiled)
     results, counters = bench.run_prompts(encoded, progress)
     summary = aggregate(results, config.modes, counters)
     by_category: dict[str, dict[str, dict]] = {}
@@ -378,7 +379,7 @@ def run_benchmark(
         "summary": summary,
         "by_category": by_category,
         "suffix_memory": memory.describe() if memory is not None else None,  # what it held at the end
-        "compile": {variant: outcome.as_record() for variant, outcome in bench.variants.items()},
+        "compile": compiled,
         # every process that timed prompts of this run (one unless a stopped run was resumed); None: not kept
         "processes": checkpoint.processes if checkpoint is not None else None,
     }
