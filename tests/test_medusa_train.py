@@ -222,3 +222,33 @@ def test_each_head_can_learn_the_distribution_its_label_was_written_from(tmp_pat
         assert at.numel() > 100 and float((written == states.labels[k - 1, at]).float().mean()) > 0.99
     with pytest.raises(ValueError, match="--loss-target soft: greedy or distribution"):
         train(TrainSettings(**{**settings.__dict__, "loss_target": "soft"}))
+
+
+def test_a_cache_dir_of_other_corpus_settings_is_refused_before_anything_loads(tmp_path):
+    import dataclasses
+
+    import pytest
+
+    from specdemo.training import eagle
+
+    settings = TrainSettings(target="no-such-model", out=tmp_path / "heads", sequences=2, cache_dir=tmp_path / "cache")
+    settings.claim_cache_dir()
+    settings.claim_cache_dir()  # the same corpus: the folder stays this run's
+    marker = json.loads((tmp_path / "cache" / "corpus-key.json").read_text())
+    assert marker == {"corpus_key": settings.corpus_key()}
+    # other --sequences on the same folder: its shards would be read as this run's (refused before the target loads)
+    with pytest.raises(ValueError, match="holds the cache of other corpus settings"):
+        train(dataclasses.replace(settings, sequences=3))
+    with pytest.raises(ValueError, match="holds the cache of other corpus settings"):
+        eagle.train(eagle.TrainSettings(target="no-such-model", out=tmp_path / "head", cache_dir=tmp_path / "cache"))
+    # shards with no mark (a folder chosen by hand, or one written before the mark existed), and a mangled mark
+    unmarked = tmp_path / "unmarked"
+    unmarked.mkdir()
+    (unmarked / "train_0000.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="shards of unknown settings"):
+        train(dataclasses.replace(settings, cache_dir=unmarked))
+    (tmp_path / "cache" / "corpus-key.json").write_text("[not a mark")
+    with pytest.raises(ValueError, match="other corpus settings"):
+        settings.claim_cache_dir()
+    # the default folder is named by the corpus and never marked
+    dataclasses.replace(settings, cache_dir=None).claim_cache_dir()

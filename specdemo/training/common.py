@@ -54,6 +54,8 @@ EXCLUDED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "ensure
 CACHE_HOME = cache_home()
 #: sequences per shard file
 SHARD_SEQUENCES = 16
+#: the file in a ``--cache-dir`` naming the corpus its shards were made from
+CACHE_KEY_FILE = "corpus-key.json"
 #: the answers file inside an answers folder
 ANSWERS_FILE = "answers.jsonl"
 #: seconds between a trainer's checkpoints inside an epoch
@@ -135,6 +137,13 @@ class CorpusSettings:
     def cache_path(self) -> Path:
         return self.cache_dir if self.cache_dir is not None else self.cache_root / self.corpus_key()
 
+    def claim_cache_dir(self) -> None:
+        """Mark a ``--cache-dir`` as the cache of this run's corpus (:data:`CACHE_KEY_FILE`), and refuse in one line
+        one that holds another corpus's shards (other ``--sequences``, ``--seed``, target, ...), which would be read
+        as this run's. The default folder is named by ``corpus_key()`` and needs no mark."""
+        if self.cache_dir is not None:
+            claim_cache_folder(self.cache_dir, self.corpus_key())
+
     def answers_key(self) -> str:
         return answers_key(self.target, self.dtype, self.corpus_spec())
 
@@ -152,6 +161,26 @@ class CorpusSettings:
 
     def passage_answers_path(self) -> Path:
         return self.cache_path() / f"answers-{self.passage_answers_key()}"
+
+
+def claim_cache_folder(folder: Path, corpus_key: str) -> None:
+    """Write ``corpus_key`` into ``folder``'s :data:`CACHE_KEY_FILE`, or refuse (``ValueError``, one line) when the
+    folder holds another key's, or shards with no key at all: a folder chosen by hand may hold anything."""
+    marker = folder / CACHE_KEY_FILE
+    if marker.is_file():
+        try:
+            held = json.loads(marker.read_text()).get("corpus_key")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            held = None
+        if held == corpus_key:
+            return
+        raise ValueError(f"--cache-dir {folder} holds the cache of other corpus settings (target, format, "
+                         f"sequences, seed, ...); choose another folder or empty it")
+    if folder.is_dir() and any(folder.glob("*.pt")):
+        raise ValueError(f"--cache-dir {folder} holds shards of unknown settings (no {CACHE_KEY_FILE}); choose "
+                         f"another folder or empty it")
+    with atomic_path(marker) as partial:
+        partial.write_text(json.dumps({"corpus_key": corpus_key}) + "\n")
 
 
 def answers_key(target: str, dtype: str, spec: CorpusSpec) -> str:

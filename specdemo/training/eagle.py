@@ -638,6 +638,7 @@ def train(settings: TrainSettings) -> dict:
     """The whole run: corpus and cache, draft vocabulary and head, training, held-out evaluation, head written
     to ``settings.out`` with ``training.json``."""
     check_choices(settings)
+    settings.claim_cache_dir()
     started = time.perf_counter()
     deadline = Deadline(settings.time_budget_minutes or None)  # 0: no budget, as before
     corpus, target = prepare_corpus(settings, deadline)

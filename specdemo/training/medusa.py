@@ -518,6 +518,7 @@ def train(settings: TrainSettings) -> dict:
     if settings.uses_pool():
         settings.pool_selection()  # one of --pool-answers and --pool-part
     check_loss_target(settings.loss_target)
+    settings.claim_cache_dir()
     started = time.perf_counter()
     deadline = Deadline(settings.time_budget_minutes or None)
     torch.manual_seed(settings.seed)
