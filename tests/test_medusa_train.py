@@ -248,7 +248,7 @@ def test_a_cache_dir_of_other_corpus_settings_is_refused_before_anything_loads(t
     with pytest.raises(ValueError, match="shards of unknown settings"):
         train(dataclasses.replace(settings, cache_dir=unmarked))
     (tmp_path / "cache" / "corpus-key.json").write_text("[not a mark")
-    with pytest.raises(ValueError, match="other corpus settings"):
+    with pytest.raises(ValueError, match="corpus-key.json cannot be read"):
         settings.claim_cache_dir()
     # the default folder is named by the corpus and never marked
     dataclasses.replace(settings, cache_dir=None).claim_cache_dir()

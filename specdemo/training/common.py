@@ -171,7 +171,8 @@ def claim_cache_folder(folder: Path, corpus_key: str) -> None:
         try:
             held = json.loads(marker.read_text()).get("corpus_key")
         except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            held = None
+            raise ValueError(f"--cache-dir {folder}: its {CACHE_KEY_FILE} cannot be read; choose another folder or "
+                             f"empty it") from None
         if held == corpus_key:
             return
         raise ValueError(f"--cache-dir {folder} holds the cache of other corpus settings (target, format, "
