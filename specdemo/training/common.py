@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from ..backends.offline import cache_home
-from ..core.files import atomic_path, file_sha256
+from ..core.files import atomic_path, file_sha256, write_json_atomic
 from .batch_generation import generate_batch
 from .corpus import (
     CHAT_PROMPTS_VERSION,
@@ -180,8 +180,7 @@ def claim_cache_folder(folder: Path, corpus_key: str) -> None:
     if folder.is_dir() and any(folder.glob("*.pt")):
         raise ValueError(f"--cache-dir {folder} holds shards of unknown settings (no {CACHE_KEY_FILE}); choose "
                          f"another folder or empty it")
-    with atomic_path(marker) as partial:
-        partial.write_text(json.dumps({"corpus_key": corpus_key}) + "\n")
+    write_json_atomic(marker, {"corpus_key": corpus_key})
 
 
 def answers_key(target: str, dtype: str, spec: CorpusSpec) -> str:
