@@ -43,8 +43,11 @@ def _tokenizer_tables() -> tuple[list[str], list[str]]:
     return [token for token, _ in vocab] + SPECIALS, merges
 
 
-def write_tiny_qwen2_gguf(path: Path, seed: int = 0) -> int:
-    """A random tiny Qwen2 as a GGUF file (float32 tensors) with a real tokenizer; returns the vocabulary size."""
+def write_tiny_qwen2_gguf(path: Path, seed: int = 0, layers: int = LAYERS, tied: bool = False,
+                          quantized: bool = False) -> int:
+    """A random tiny Qwen2 as a GGUF file with a real tokenizer; returns the vocabulary size. Its tensors are
+    float32, or with ``quantized`` its matrices Q8_0 blocks (as a pack's GGUF has); ``tied``: no head of its own
+    (the embedding serves, as in Qwen2.5-Coder-1.5B's file)."""
     tokens, merges = _tokenizer_tables()
     vocab = len(tokens)
     rng = np.random.default_rng(seed)
@@ -52,7 +55,7 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0) -> int:
     writer.add_name("tiny-qwen2")
     writer.add_context_length(512)
     writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(layers)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
@@ -71,11 +74,16 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0) -> int:
     writer.add_chat_template(CHAT_TEMPLATE)
 
     def tensor(name: str, *shape: int, scale: float = 0.08) -> None:
-        writer.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+        values = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if quantized and len(shape) == 2:
+            kind = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, values)
 
     head_dim = HIDDEN // HEADS
     tensor("token_embd.weight", vocab, HIDDEN, scale=0.5)
-    for layer in range(LAYERS):
+    for layer in range(layers):
         writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
         tensor(f"blk.{layer}.attn_q.weight", HIDDEN, HIDDEN)
         tensor(f"blk.{layer}.attn_q.bias", HIDDEN)
@@ -89,7 +97,8 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0) -> int:
         tensor(f"blk.{layer}.ffn_up.weight", FFN, HIDDEN)
         tensor(f"blk.{layer}.ffn_down.weight", HIDDEN, FFN)
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    tensor("output.weight", vocab, HIDDEN, scale=0.5)
+    if not tied:
+        tensor("output.weight", vocab, HIDDEN, scale=0.5)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

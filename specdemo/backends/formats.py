@@ -38,6 +38,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -94,13 +95,22 @@ class Int8WeightLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
         qweight, scale = int8_rows(linear.weight.detach().to(INT8_ACTIVATIONS).float())
+        self._hold(qweight, scale, None if linear.bias is None else linear.bias.detach())
+
+    @classmethod
+    def from_int8(cls, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> "Int8WeightLinear":
+        """The layer for int8 values and float32 row scales already made by :func:`int8_rows` (a stored model)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._hold(qweight, scale, bias)
+        return layer
+
+    def _hold(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.to(INT8_ACTIVATIONS))
-        bias = linear.bias
-        self.register_buffer("bias", None if bias is None else bias.detach().to(INT8_ACTIVATIONS))
+        self.register_buffer("bias", None if bias is None else bias.to(INT8_ACTIVATIONS))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, self.in_features).to(INT8_ACTIVATIONS).contiguous()
@@ -132,13 +142,25 @@ class W8A8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, two_parts: bool = False, kernel: str | None = None) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        qweight, scale = int8_rows(linear.weight.detach().float())
+        self._hold(qweight, scale, None if linear.bias is None else linear.bias.detach(), two_parts, kernel)
+
+    @classmethod
+    def from_int8(cls, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, two_parts: bool = False,
+                  kernel: str | None = None) -> "W8A8Linear":
+        """The layer for int8 values and float32 row scales already made by :func:`int8_rows` (a stored model)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._hold(qweight, scale, bias, two_parts, kernel)
+        return layer
+
+    def _hold(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, two_parts: bool,
+              kernel: str | None) -> None:
+        self.out_features, self.in_features = qweight.shape
         self.two_parts = two_parts
         self.kernel = kernel or w8a8_kernel()
         if self.kernel not in W8A8_KERNELS:
             raise ValueError(f"unknown w8a8 kernel {self.kernel!r}: use one of {', '.join(W8A8_KERNELS)}")
-        qweight, scale = int8_rows(linear.weight.detach().float())
         #: one activation step times one weight step, per output channel
         self.register_buffer("weight_step", scale / W8A8_STEPS)
         self.register_buffer("weight_scale", scale)
@@ -151,8 +173,7 @@ class W8A8Linear(nn.Module):
         self.register_buffer("qweight", None if uses_fbgemm else qweight)
         self._unit_scales = torch.ones(self.out_features)
         self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
-        bias = linear.bias
-        self.register_buffer("bias", None if bias is None else bias.detach().to(W8A8_ACTIVATIONS))
+        self.register_buffer("bias", None if bias is None else bias.to(W8A8_ACTIVATIONS))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, self.in_features).to(W8A8_ACTIVATIONS)
@@ -289,18 +310,24 @@ def to_int8_format(model: PreTrainedModel, fmt: str = INT8, kernel: str | None =
     """Turn a CPU model into ``fmt`` (:data:`INT8` or :data:`W8A8`) in place: every linear layer (LM head included)
     int8, everything else in the format's activation dtype, attention row-wise for short passes; w8a8 layers
     multiply with ``kernel`` (None: :func:`w8a8_kernel`). Returns the model."""
-    layer, activations = _FORMAT_LAYERS[fmt]
+    layer = _FORMAT_LAYERS[fmt][0]
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is getattr(model.get_input_embeddings(), "weight", None)
     hidden_size = getattr(model.config, "hidden_size", None)
     if layer is W8A8Linear:
         kernel = kernel or w8a8_kernel()
-        share_inputs(model, lambda linear: W8A8Linear(linear, two_parts=_narrows(linear, hidden_size), kernel=kernel))
+        share_inputs(model, lambda linear: W8A8Linear(linear, two_parts=narrows(linear, hidden_size), kernel=kernel))
         replace_linear_layers(model, lambda linear, child: W8A8Linear(
-            linear, two_parts=child is head or _narrows(linear, hidden_size), kernel=kernel))
+            linear, two_parts=child is head or narrows(linear, hidden_size), kernel=kernel))
     else:
         replace_linear_layers(model, lambda linear, _: layer(linear))
-    model.to(activations)
+    return finish_int8_format(model, fmt, tied)
+
+
+def finish_int8_format(model: PreTrainedModel, fmt: str, tied: bool) -> PreTrainedModel:
+    """What turning a model into ``fmt`` does once its linear layers are int8: everything else in the format's
+    activation dtype, the head untied from the embedding (it is an int8 copy), attention row-wise."""
+    model.to(activation_dtype(fmt))
     if tied:  # the embedding keeps its table; the head is an int8 copy, so they are no longer tied
         model.config.tie_word_embeddings = False
     model.set_attn_implementation(ROW_WISE_ATTENTION)
@@ -369,11 +396,23 @@ def shares_inputs() -> bool:
     return os.environ.get(SHARE_INPUTS_ENV, "1").strip() != "0"
 
 
-def share_inputs(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+def _stacked(members: list[nn.Linear]) -> nn.Linear:
+    """One linear layer whose output channels are those of ``members``, in order."""
+    first = members[0]
+    stacked = nn.Linear(first.in_features, sum(m.out_features for m in members), bias=first.bias is not None,
+                        device="meta")
+    stacked.weight = nn.Parameter(torch.cat([m.weight.detach() for m in members]), requires_grad=False)
+    if first.bias is not None:
+        stacked.bias = nn.Parameter(torch.cat([m.bias.detach() for m in members]), requires_grad=False)
+    return stacked
+
+
+def share_inputs(model: nn.Module, make: Callable[[Any], nn.Module],
+                 stack: Callable[[list[nn.Linear]], Any] = _stacked) -> int:
     """Make each :data:`SHARED_INPUT_GROUPS` group of linear layers under one module one int8 layer (``make`` of
-    their stacked weights: each output channel keeps its own weight scale, so the int8 weights are those each layer
-    would get alone), its members :class:`SharedInputLinear`; returns how many groups were joined (none with
-    :data:`SHARE_INPUTS_ENV` set to 0)."""
+    ``stack`` of the members, by default their stacked weights: each output channel keeps its own weight scale, so
+    the int8 weights are those each layer would get alone), its members :class:`SharedInputLinear`; returns how
+    many groups were joined (none with :data:`SHARE_INPUTS_ENV` set to 0)."""
     if not shares_inputs():
         return 0
     joined = 0
@@ -385,12 +424,7 @@ def share_inputs(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> in
             first = members[0]
             if any(m.in_features != first.in_features or (m.bias is None) != (first.bias is None) for m in members):
                 continue
-            stacked = nn.Linear(first.in_features, sum(m.out_features for m in members), bias=first.bias is not None,
-                                device="meta")
-            stacked.weight = nn.Parameter(torch.cat([m.weight.detach() for m in members]), requires_grad=False)
-            if first.bias is not None:
-                stacked.bias = nn.Parameter(torch.cat([m.bias.detach() for m in members]), requires_grad=False)
-            group = _SharedInput(make(stacked), first.in_features, [m.out_features for m in members])
+            group = _SharedInput(make(stack(members)), first.in_features, [m.out_features for m in members])
             for index, name in enumerate(names):
                 setattr(parent, name, SharedInputLinear(group, index))
             joined += 1
@@ -406,7 +440,7 @@ def replace_linear_layers(module: nn.Module, make: Callable[[nn.Linear, nn.Modul
                 setattr(parent, name, make(_as_linear(child), child))
 
 
-def _narrows(linear: nn.Linear, hidden_size: int | None) -> bool:
+def narrows(linear: nn.Linear, hidden_size: int | None) -> bool:
     """Whether ``linear`` maps a wider space back to the model's width: an MLP's down projection, whose input
     (an activation times a gate) has the outlier channels that 7-bit activations lose (measured on
     Qwen2.5-Coder-1.5B: two thirds of w8a8's divergence from float32 came from those layers, a fifth from the head)."""

