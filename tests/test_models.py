@@ -164,7 +164,7 @@ def test_local_gguf_goes_through_conversion(tiny_folder: Path, tmp_path: Path, m
     gguf = tmp_path / "mine.gguf"
     gguf.write_bytes(b"GGUF")
     seen: list[Path] = []
-    monkeypatch.setattr(offline, "converted_from_gguf", lambda p, **k: seen.append(Path(p)) or tiny_folder)
+    monkeypatch.setattr(offline, "converted_from_gguf", lambda p, storage, **k: seen.append(Path(p)) or tiny_folder)
     loaded = load_model(str(gguf), CPU32, progress=False)
     assert seen == [gguf.resolve()]
     assert loaded.source == str(gguf.resolve())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specdemo.backends import offline
+from specdemo.backends import gguf_convert, offline
 from specdemo.backends.offline import Chunk, OfflineModel, OfflinePackError
 
 CHUNKS = [bytes([i]) * 1500 + os.urandom(500) for i in range(3)]
@@ -191,63 +191,107 @@ def test_single_file_verified_once(fake_pack: dict, cache: Path, monkeypatch: py
         offline.joined_gguf("fake-single", progress=False)
 
 
-def _fake_converter(gguf: Path, out_dir: Path, eos_tokens=(), progress=True, on_progress=None) -> list[int]:
-    (out_dir / "config.json").write_text(json.dumps({"source": gguf.name, "eos": list(eos_tokens)}))
+def _fake_converter(gguf: Path, out_dir: Path, storage: str, identity: dict, finish, on_progress=None) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps({"source": gguf.name, "storage": storage}))
     (out_dir / "model.safetensors").write_bytes(b"weights")
-    return [7]
+    finish(None, out_dir)
 
 
-def test_converted_folder_atomic(fake_pack: dict, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def failing(gguf: Path, out_dir: Path, **kwargs: object) -> list[int]:
+@pytest.fixture
+def fake_conversion(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """The converter and the config/tokenizer step replaced (the pack's bytes are no real GGUF here)."""
+    written: list[tuple] = []
+    monkeypatch.setattr(gguf_convert, "convert", _fake_converter)
+    monkeypatch.setattr(offline, "_write_config_and_tokenizer",
+                        lambda source, out_dir, eos: written.append((out_dir, tuple(eos))) or [7])
+    return written
+
+
+def test_converted_folder_atomic(fake_pack: dict, cache: Path, fake_conversion: list,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(gguf: Path, out_dir: Path, *args: object, **kwargs: object) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "model.safetensors").write_bytes(b"half")
         raise RuntimeError("killed mid-conversion")
 
-    monkeypatch.setattr(offline, "convert_gguf", failing)
+    monkeypatch.setattr(gguf_convert, "convert", failing)
     with pytest.raises(RuntimeError, match="killed"):
-        offline.converted_folder("fake", progress=False)
+        offline.converted_folder("fake", "int8", progress=False)
     models = cache / "models"
-    assert not (models / "fake").exists()
-    assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
+    assert not (models / "fake.int8").exists()  # nothing that loads; the partial folder waits to be resumed
+    assert [p.name for p in models.iterdir() if not p.name.startswith(".")] == []
 
-    monkeypatch.setattr(offline, "convert_gguf", _fake_converter)
-    folder = offline.converted_folder("fake", progress=False)
-    assert folder == models / "fake"
+    monkeypatch.setattr(gguf_convert, "convert", _fake_converter)
+    folder = offline.converted_folder("fake", "int8", progress=False)
+    assert folder == models / "fake.int8"
     marker = json.loads((folder / offline.MARKER_NAME).read_text())
-    assert marker["gguf_sha256"] == fake_pack["model"].sha256
+    assert marker["gguf_sha256"] == fake_pack["model"].sha256 and marker["storage"] == "int8"
     assert marker["eos_token_ids"] == [7]
-    assert json.loads((folder / "config.json").read_text())["eos"] == ["<|im_end|>"]
+    assert fake_conversion[-1][1] == ("<|im_end|>",)
     assert [p.name for p in models.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock")] == []
+    assert not (cache / "gguf" / "fake.gguf").exists()  # the joined file is gone once converted
 
-    def must_not_run(*args: object, **kwargs: object) -> list[int]:
+    def must_not_run(*args: object, **kwargs: object) -> None:
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(offline, "convert_gguf", must_not_run)
-    assert offline.converted_folder("fake", progress=False) == folder
+    monkeypatch.setattr(gguf_convert, "convert", must_not_run)
+    assert offline.converted_folder("fake", "int8", progress=False) == folder
+    monkeypatch.setattr(gguf_convert, "convert", _fake_converter)
+    assert offline.converted_folder("fake", "bfloat16", progress=False) == models / "fake.bfloat16"
 
 
-def test_converted_folder_cleans_leftovers(fake_pack: dict, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_converted_folder_cleans_leftovers(fake_pack: dict, cache: Path, fake_conversion: list) -> None:
     models = cache / "models"
-    stale_tmp = models / ".fake.tmp-xyz"
-    stale_tmp.mkdir(parents=True)
-    (stale_tmp / "junk").write_text("x")
-    unmarked = models / "fake"
-    unmarked.mkdir()
+    unmarked = models / "fake.int8"
+    unmarked.mkdir(parents=True)
     (unmarked / "config.json").write_text("{}")
-    monkeypatch.setattr(offline, "convert_gguf", _fake_converter)
-    folder = offline.converted_folder("fake", progress=False)
-    assert not stale_tmp.exists()
-    assert (folder / offline.MARKER_NAME).is_file()
+    old_float32 = models / "fake"  # an earlier version's float32 folder
+    old_float32.mkdir()
+    (old_float32 / offline.MARKER_NAME).write_text(json.dumps({"format": 1}))
+    folder = offline.converted_folder("fake", "int8", progress=False)
+    assert (folder / offline.MARKER_NAME).is_file() and not old_float32.exists()
     assert json.loads((folder / "config.json").read_text())["source"] == "fake.gguf"
 
 
-def test_converted_from_gguf(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_processes_starting_at_once_convert_once(fake_pack: dict, cache: Path, tmp_path: Path) -> None:
+    import subprocess
+
+    script = tmp_path / "convert.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "from pathlib import Path\n"
+        "from specdemo.backends import gguf_convert, offline\n"
+        "from specdemo.backends.offline import Chunk, OfflineModel\n"
+        f"offline.OFFLINE_MODELS['fake'] = {fake_pack['model']!r}\n"
+        "def slow(gguf, out_dir, storage, identity, finish, on_progress=None):\n"
+        "    out_dir.mkdir(parents=True, exist_ok=True)\n"
+        "    with open(sys.argv[1], 'a') as log: log.write('converted\\n')\n"
+        "    time.sleep(1.0)\n"
+        "    (out_dir / 'config.json').write_text('{}')\n"
+        "    finish(None, out_dir)\n"
+        "gguf_convert.convert = slow\n"
+        "offline._write_config_and_tokenizer = lambda source, out_dir, eos: [7]\n"
+        "print(offline.converted_folder('fake', 'int8', progress=False))\n"
+    )
+    log = tmp_path / "conversions.log"
+    env = {**os.environ, "SPECDEMO_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(sys.path)}
+    runs = [subprocess.Popen([sys.executable, str(script), str(log)], env=env, stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    outputs = [run.communicate(timeout=120)[0].strip() for run in runs]
+    assert all(run.returncode == 0 for run in runs)
+    assert outputs[0] == outputs[1] == str(cache / "models" / "fake.int8")
+    assert log.read_text().count("converted") == 1
+
+
+def test_converted_from_gguf(tmp_path: Path, cache: Path, fake_conversion: list) -> None:
     gguf = tmp_path / "mine.gguf"
     gguf.write_bytes(b"GGUF" + b"\x00" * 100)
     sha = hashlib.sha256(gguf.read_bytes()).hexdigest()
-    monkeypatch.setattr(offline, "convert_gguf", _fake_converter)
-    folder = offline.converted_from_gguf(gguf, progress=False)
-    assert folder == cache / "models" / f"gguf-{sha[:16]}"
+    folder = offline.converted_from_gguf(gguf, "int8", progress=False)
+    assert folder == cache / "models" / f"gguf-{sha[:16]}.int8"
     assert json.loads((folder / offline.MARKER_NAME).read_text())["gguf_sha256"] == sha
+    assert gguf.is_file()  # a user's own file is never removed
     with pytest.raises(OfflinePackError, match="not found"):
         offline.converted_from_gguf(tmp_path / "absent.gguf", progress=False)
 
