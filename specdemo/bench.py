@@ -47,6 +47,7 @@ from .core.settings import COMPILE_CHOICES, SamplingSettings
 from .methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, check_pair, describe_methods
 from .methods.ngram import NGRAM_PREFERENCES
 from .session.calibration import FormatChoice, choose_format, detect_hardware, refresh_if_stale
+from .session.format_probe import quick_curves
 from .session.compiling import check_compile_choice, choose_passes
 from .session.presets import PRESETS, default_preset_key, get_preset, preset_eagle_head
 from .session.prompts import Prompt, PromptFileError, load_prompts
@@ -310,7 +311,8 @@ def _load_models(args: argparse.Namespace, request: _Request) -> _Models:
     if args.calibration == "off":
         choice = FormatChoice(resolve_format(args.dtype, resolve_device(args.device)), "without calibration")
     else:
-        choice = choose_format(request.target, target_settings, refresh=args.calibration == "refresh")
+        choice = choose_format(request.target, target_settings, refresh=args.calibration == "refresh",
+                               measure_candidates=quick_curves)
     print(choice.summary(), flush=True)
     target_settings = replace(target_settings, dtype=choice.format)
     load = LoadSettings(dtype=draft_dtype(choice.format), device=args.device)

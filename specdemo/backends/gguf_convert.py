@@ -112,7 +112,30 @@ def empty_model(config: Any, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Mo
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
+#: the GGUF opened last, by (path, size, mtime): measuring a few layers and converting the whole file read its
+#: metadata once (parsing a 150k-token vocabulary takes seconds)
+_opened: dict[tuple[str, int, int], GgufSource] = {}
+_opened_lock = threading.Lock()
+
+
 def open_gguf(path: Path) -> GgufSource:
+    """``path`` opened for conversion (the last file opened is kept: see :func:`forget_opened`)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    with _opened_lock:
+        if key not in _opened:
+            _opened.clear()
+            _opened[key] = _open_gguf(path)
+        return _opened[key]
+
+
+def forget_opened() -> None:
+    """Let go of the GGUF opened last (its memory map keeps a removed file's disk space until then)."""
+    with _opened_lock:
+        _opened.clear()
+
+
+def _open_gguf(path: Path) -> GgufSource:
     """Open ``path`` for conversion: its metadata parsed once by transformers' GGUF loader, its tensors mapped."""
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import (
@@ -430,3 +453,30 @@ def quiet_transformers_bars(enabled: bool) -> Iterator[None]:
     finally:
         if not enabled and not was_disabled:
             hf_logging.enable_progress_bar()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A few layers of the real weights, for measuring formats before any conversion
+
+
+def load_first_layers(gguf: Path, layers: int) -> tuple[torch.nn.Module, int]:
+    """The GGUF's model cut to its first ``layers`` decoder layers (embedding, final norm and head kept), in
+    bfloat16 as a full load would give them, and how many layers the whole model has. Only those tensors are
+    dequantised."""
+    source = open_gguf(gguf)
+    total = int(source.config.num_hidden_layers)
+    config = source.config.__class__.from_dict(source.config.to_dict())
+    config.num_hidden_layers = min(layers, total)
+    if hasattr(config, "layer_types") and isinstance(config.layer_types, list):
+        config.layer_types = config.layer_types[: config.num_hidden_layers]
+    model = empty_model(config)
+    wanted = [tensor.name for tensor in source.reader.tensors
+              if (layer := source.layer_of(tensor.name)) is None or layer < config.num_hidden_layers]
+    state = {name: tensor.to(torch.bfloat16) for name, tensor in iter_tensors(source, wanted)}
+    model.load_state_dict(state, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [name for name, param in model.named_parameters() if param.device.type == "meta"]
+    if missing:
+        raise ConversionError(f"cannot measure {gguf.name}: it lacks {', '.join(missing[:3])}")
+    return model.eval(), total

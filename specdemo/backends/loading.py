@@ -382,6 +382,46 @@ def prepare_weights(source: str, settings: LoadSettings = LoadSettings(), progre
         _resolve_source(key[0], progress, on_progress, settings)
 
 
+def load_first_layers(source: str, settings: LoadSettings, layers: int) -> tuple[PreTrainedModel, int]:
+    """``source`` cut to its first ``layers`` decoder layers, with its real weights in bfloat16 (embedding, final
+    norm and head kept), and the number of layers of the whole model: what a format is measured on before the
+    whole model is converted or loaded. A GGUF (offline or local) dequantises only those tensors."""
+    key = _resolve(source, settings)[0]
+    name = key[0]
+    try:
+        if offline.is_offline_source(name) or (settings.local_files and name.lower().endswith(".gguf")):
+            if offline.is_offline_source(name):
+                gguf = offline.joined_gguf(offline.offline_name(name), progress=False)
+            else:
+                gguf = Path(name)
+            return gguf_convert.load_first_layers(gguf, layers)
+        location, is_local = _resolve_source(name, False, None, settings)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(location, trust_remote_code=False, local_files_only=is_local)
+        total = int(config.num_hidden_layers)
+        model = AutoModelForCausalLM.from_pretrained(location, num_hidden_layers=min(layers, total),
+                                                     dtype=torch.bfloat16, trust_remote_code=False)
+        return model.eval(), total
+    except (offline.OfflinePackError, gguf_convert.ConversionError) as err:
+        raise ModelLoadError(str(err)) from err
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError, AttributeError) as err:
+        raise ModelLoadError(f"cannot load '{source}': {first_line(err)}") from err
+
+
+def bytes_to_convert(source: str, settings: LoadSettings) -> int:
+    """The bytes of GGUF that loading ``source`` with ``settings`` would convert first (0: none, or unknown)."""
+    try:
+        name = _resolve(source, settings)[0][0]
+    except ModelLoadError:
+        return 0
+    if not offline.is_offline_source(name) or offline.offline_name(name) not in offline.OFFLINE_MODELS:
+        return 0
+    model = offline.get_offline_model(name)
+    folder = offline.cache_home() / "models" / offline.stored_folder_name(model.name, _storage(settings))
+    return 0 if offline.folder_ready(folder, model.sha256, _storage(settings)) else int(model.size or 0)
+
+
 def _capped_snapshot(repo_id: str, max_bytes: int | None) -> Path:
     """The local snapshot of Hub model ``repo_id`` (configs, tokenizer, safetensors), downloaded only when its
     files fit ``max_bytes``; afterwards the Hub cache is trimmed to its budget, this snapshot kept."""

@@ -490,6 +490,7 @@ def drop_joined(name: str) -> None:
     model = get_offline_model(name)
     folder = cache_home() / "gguf"
     final = folder / f"{model.name}.gguf"
+    gguf_convert.forget_opened()
     with _exclusive(folder / f".{model.name}.lock"):
         for path in (final, _joined_marker(final)):
             with contextlib.suppress(OSError):

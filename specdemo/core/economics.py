@@ -165,6 +165,9 @@ class CostCurve:
     weight_bytes: int | None = None
     #: bytes a copy of a buffer larger than the caches moved per second, read and written (None: not measured)
     bandwidth_bytes_per_s: float | None = None
+    #: set when the curve is an estimate from the first layers of the real weights ("4 of 28"): see
+    #: :mod:`specdemo.session.format_probe`; None: measured on the whole model
+    measured_layers: str | None = None
     from_cache: bool = field(default=False, compare=False)
     cache_file: str | None = field(default=None, compare=False)
 

@@ -368,8 +368,9 @@ class FormatChoice:
             pays = "speculation can pay" if speculation_can_pay(curve) else "speculation cannot pay"
             floor = curve.floor_seconds
             beside = f" (floor {floor * 1000:.0f} ms: {curve.seconds[0] / floor:.1f}x)" if floor else ""
-            lines.append(f"  {name}: {curve.seconds[0] * 1000:.0f} ms per one-token pass{beside}, a pass over 4 "
-                         f"tokens {curve.cost(4):.2f}x; {pays}")
+            estimate = f" (estimated from {curve.measured_layers} layers)" if curve.measured_layers else ""
+            lines.append(f"  {name}: {curve.seconds[0] * 1000:.0f} ms per one-token pass{estimate}{beside}, a pass "
+                         f"over 4 tokens {curve.cost(4):.2f}x; {pays}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -465,12 +466,15 @@ def choose_format(
     refresh: bool = False,
     folder: Path | None = None,
     load: Callable[..., LoadedModel] = load_model,
+    measure_candidates: Callable[[str, LoadSettings], dict[str, CostCurve]] | None = None,
 ) -> FormatChoice:
     """The format ``source`` runs in with ``settings``. Anything but ``auto`` on a CPU is taken as asked. ``auto``
-    on a CPU reads the choice cached for this machine, else loads the target in each of :data:`AUTO_FORMATS` in
-    turn, calibrates it and frees it before the next loads (one copy held at a time), and picks with
-    :func:`pick_format` (about 15 s a format, once); the caller loads the chosen one. A choice resting on an
-    unreliable curve serves this run and is not cached."""
+    on a CPU reads the choice cached for this machine, else measures each of :data:`AUTO_FORMATS` and picks with
+    :func:`pick_format`; the caller loads the chosen one. ``measure_candidates(source, settings)`` gives the
+    candidates' curves (the app and the bench pass :func:`specdemo.session.format_probe.quick_curves`: a few layers
+    of the real weights, seconds); without it each candidate is loaded whole, calibrated and freed before the next
+    loads (about 15 s a format, plus its load). A choice resting on an unreliable curve serves this run and is not
+    cached."""
     if not _auto_on_cpu(settings):
         device = resolve_device(settings.device)
         asked = (settings.dtype or "auto").strip().lower()
@@ -478,6 +482,25 @@ def choose_format(
         return FormatChoice(fmt, "as asked" if asked != "auto" else f"auto on {device.type}")
     if not refresh and (cached := cached_format_choice(source, settings, folder)) is not None:
         return cached
+    curves = measure_candidates(source, settings) if measure_candidates is not None else _whole_curves(
+        source, settings, refresh, folder, load)
+    choice = pick_format(curves)
+    if any(curve.measured_layers for curve in curves.values()):
+        layers = next(curve.measured_layers for curve in curves.values() if curve.measured_layers)
+        choice.reason += f"; measured here on {layers} layers of the real weights"
+    if choice.reliable:
+        path = _choice_path(source, settings, folder)
+        _cache_json(path, choice.as_dict())
+        choice.cache_file = str(path)
+    else:
+        choice.reason += "; measured on a busy machine, so for this run only (not cached)"
+    logger.info("%s", choice.summary())
+    return choice
+
+
+def _whole_curves(source: str, settings: LoadSettings, refresh: bool, folder: Path | None,
+                  load: Callable[..., LoadedModel]) -> dict[str, CostCurve]:
+    """Each of :data:`AUTO_FORMATS`' curves measured on the whole target, one candidate in memory at a time."""
     curves: dict[str, CostCurve] = {}
     for fmt in AUTO_FORMATS:
         candidate = replace(settings, dtype=fmt)
@@ -491,12 +514,4 @@ def choose_format(
         forget_model(source, candidate)  # one candidate in memory at a time
     if not curves:
         raise ModelLoadError(f"cannot load '{source}' in any of {', '.join(AUTO_FORMATS)}")
-    choice = pick_format(curves)
-    if choice.reliable:
-        path = _choice_path(source, settings, folder)
-        _cache_json(path, choice.as_dict())
-        choice.cache_file = str(path)
-    else:
-        choice.reason += "; measured on a busy machine, so for this run only (not cached)"
-    logger.info("%s", choice.summary())
-    return choice
+    return curves

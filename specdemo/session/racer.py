@@ -52,7 +52,20 @@ from .compiling import (
     drafting_model_of,
     longest_draft_of,
 )
+from .format_probe import quick_curves
 from .pipeline import encode_prompt, plain_events, spec_events
+from .preparation import (
+    CALIBRATING,
+    CHOOSING_PASSES,
+    LOADING_DRAFT,
+    LOADING_TARGET,
+    MEASURING_FORMATS,
+    WARMING_UP,
+    StepProgress,
+    plan_steps,
+    prepare_beside,
+    wait_beside,
+)
 from .race import race
 from .racelog import RaceSettings
 from .request import (
@@ -271,20 +284,28 @@ class Racer:
         settings, spec, dtype = checked.settings, checked.spec, checked.dtype
         target_source, draft_source, preset = checked.target_source, checked.draft_source, checked.preset
 
-        # loading (the first offline load joins and converts the pack: minutes, with progress)
+        # loading (a first start joins, measures and converts the pack's files: see session/preparation.py)
         started = time.perf_counter()
         target_settings = LoadSettings(dtype=dtype, device=config.device, quantization=checked.quantization,
                                        **self._source_limits(target_source, checked))
         format_reason = choice = None
         pair_draft = draft_source or (preset and preset.draft)
         draft_limits = self._source_limits(pair_draft, checked)
-        if dtype == "auto" and config.calibrate:
+        choosing = dtype == "auto" and config.calibrate
+        steps = StepProgress(report, plan_steps(target_source, target_settings, draft_source,
+                                                choosing and measures_formats(target_source, target_settings),
+                                                config.calibrate))
+        beside = prepare_beside(draft_source, LoadSettings(dtype=draft_dtype(dtype), device=config.device,
+                                                           **draft_limits))
+        if choosing:
             if measures_formats(target_source, target_settings):  # candidates load: free the old pair first
                 self._free_before_candidates(target_source, target_settings, pair_draft, LoadSettings(**draft_limits))
-            report(0.0, f"Choosing the target's format: {', '.join(AUTO_FORMATS)} loaded and measured in turn on "
-                   "this machine (about 15 s each, once per machine)")
+                steps.start(MEASURING_FORMATS, f"{', '.join(AUTO_FORMATS)} on a few layers of the real weights, "
+                            "alone on the cores (once per machine)")
+                wait_beside(beside)  # nothing else runs while formats are timed
             try:
-                choice = choose_format(target_source, target_settings, load=config.loader)
+                choice = choose_format(target_source, target_settings, load=config.loader,
+                                       measure_candidates=quick_curves)
             except (ModelLoadError, OfflinePackError) as error:
                 raise InputError(first_line(error)) from None
             dtype, format_reason = choice.format, choice.reason
@@ -292,15 +313,17 @@ class Racer:
         draft_settings = LoadSettings(dtype=draft_dtype(dtype), device=config.device, **draft_limits)
         # the pair's draft stays loaded in a draft-free mode, so flipping modes on one pair reloads nothing
         self._switch_pair(target_source, target_settings, pair_draft, draft_settings)
-        share = 0.5 if draft_source else 1.0
-        target = self._load(target_source, target_settings, lambda f, m: report(share * f, m), "target")
+        steps.start(LOADING_TARGET, target_source)
+        target = self._load(target_source, target_settings, steps.within, "target")
         # the prompt is measured with the target's tokenizer before the draft loads or any pass runs
         prompt_ids = encode_prompt(target, request.prompt, chat=bool(request.chat))
         check_prompt_tokens(prompt_ids, checked.max_prompt_tokens)
         check_lengths(target, prompt_ids, settings)
         draft = None
         if draft_source:
-            draft = self._load(draft_source, draft_settings, lambda f, m: report(0.5 + 0.5 * f, m), "draft")
+            steps.start(LOADING_DRAFT, draft_source)
+            wait_beside(beside)
+            draft = self._load(draft_source, draft_settings, steps.within, "draft")
         load_seconds = time.perf_counter() - started
         check_pair(spec, target, draft)  # e.g. Medusa heads that misfit: one line, before any pass
 
@@ -311,18 +334,21 @@ class Racer:
             format_reason=format_reason,
             format_choice=choice,
         )
-        prepared.compiled = self._compile(prepared, report)
+        steps.start(CHOOSING_PASSES)
+        prepared.compiled = self._compile(prepared, steps.within_step)
+        steps.start(WARMING_UP)
         try:
-            prepared.warmup_seconds = self._warm_up(prepared, report)
+            prepared.warmup_seconds = self._warm_up(prepared, steps.within_step)
         except (RuntimeError, ValueError) as error:
             logger.exception("The warm-up run failed")
             raise InputError(f"the warm-up run failed: {first_line(error)}") from None
         if config.calibrate:
-            report(1.0, "Measuring what a pass costs on this machine (once per model and format)")
+            steps.start(CALIBRATING, "what a pass costs on this machine (once per model and format)")
             try:
                 prepared.calibration = calibrate_pair(target, draft, spec)
             except (RuntimeError, ValueError, OSError):  # the race runs without the chart
                 logger.exception("Calibration failed")
+        logger.info("Prepared %s in %.1f s", target_source, steps.finish())
         return prepared
 
     def preload(self, key: str | None = None) -> None:
@@ -335,10 +361,11 @@ class Racer:
         target_settings = LoadSettings(dtype=config.dtype, device=config.device)
         dtype = config.dtype
         if config.dtype == "auto" and config.calibrate:
-            logger.info("Preloading: choosing the target's format (%s measured in turn, about 15 s each)",
+            logger.info("Preloading: choosing the target's format (%s measured on a few layers of the real weights)",
                         ", ".join(AUTO_FORMATS))
             try:
-                dtype = choose_format(preset.target, target_settings, load=config.loader).format
+                dtype = choose_format(preset.target, target_settings, load=config.loader,
+                                      measure_candidates=quick_curves).format
             except (ModelLoadError, OfflinePackError) as error:
                 raise InputError(first_line(error)) from None
             target_settings = replace(target_settings, dtype=dtype)

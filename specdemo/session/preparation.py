@@ -1,0 +1,141 @@
+"""A pair's preparation as named steps with one progress line and an estimate, and what of it runs side by side.
+
+The first start of a pair does the most: the pack's files joined and verified, the target's format measured, each
+model converted into what the race reads, both loaded, the passes chosen, a warm-up, the cost curve. The steps
+report through one callback, ``(fraction, message)``, as ``step 3 of 7, converting the target: ... (about 40 s
+left)``: each step's estimate starts from a guess made from the sizes involved, and once a step ends, the steps
+left are scaled by how the finished ones compared with their guesses (a slower disk or CPU shows after a step).
+
+What overlaps: the draft's weights (joined, verified, converted) are made ready in a thread while the target's
+are, the one thing of a first start that keeps to its own files and needs no timing: the format measurement and
+the calibration run only after it is done, alone on the cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..backends.loading import LoadSettings, bytes_to_convert, prepare_weights
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[float, str], None]
+
+
+MEASURING_FORMATS = "measuring the target's formats"
+LOADING_TARGET = "loading the target"
+LOADING_DRAFT = "loading the draft"
+CHOOSING_PASSES = "choosing how the passes run"
+WARMING_UP = "warming up"
+CALIBRATING = "measuring the cost curve"
+
+#: first guesses, in seconds, refined as steps finish (measured on a 2-core AMD EPYC: see docs/offline-pack.md):
+#: measuring three formats on a few layers, converting a GB of GGUF, loading a converted model, a warm-up, a curve
+GUESS_MEASURING, GUESS_CONVERT_PER_GB, GUESS_LOAD, GUESS_WARM_UP, GUESS_CALIBRATE = 25.0, 25.0, 5.0, 5.0, 15.0
+
+
+@dataclass
+class Step:
+    """One named step and the seconds it is expected to take."""
+
+    name: str
+    estimate: float
+
+
+@dataclass
+class StepProgress:
+    """Reports named steps through ``report`` as one fraction in [0, 1], with the seconds left."""
+
+    report: Progress
+    steps: list[Step]
+    _index: int = -1
+    _started: float = field(default_factory=time.perf_counter)
+    _step_started: float = 0.0
+    _spent_on_done: float = 0.0
+    _estimated_done: float = 0.0
+
+    def start(self, name: str, message: str = "") -> None:
+        """Begin the step ``name`` (the steps before it count as done)."""
+        self._finish_current()
+        self._index = next(i for i, step in enumerate(self.steps) if step.name == name)
+        self._step_started = time.perf_counter()
+        self.within(0.0, message)
+
+    def within(self, fraction: float, message: str = "") -> None:
+        """How far the current step has come, and what it is doing."""
+        step = self.steps[self._index]
+        scale = self._scale()
+        left = sum(s.estimate for s in self.steps[self._index + 1:]) * scale + step.estimate * scale * (1 - fraction)
+        done = sum(s.estimate for s in self.steps[: self._index]) + step.estimate * fraction
+        total = sum(s.estimate for s in self.steps)
+        text = f"step {self._index + 1} of {len(self.steps)}, {step.name}"
+        if message:
+            text += f": {message}"
+        text += f" (about {max(left, 1.0):.0f} s left)"
+        self.report(min(done / total, 1.0) if total else 1.0, text)
+
+    def _finish_current(self) -> None:
+        if self._index < 0:
+            return
+        spent = time.perf_counter() - self._step_started
+        logger.info("Preparing: %s took %.1f s (estimated %.0f s)", self.steps[self._index].name, spent,
+                    self.steps[self._index].estimate)
+        self._spent_on_done += spent
+        self._estimated_done += self.steps[self._index].estimate
+
+    def _scale(self) -> float:
+        """How the finished steps compared with their estimates (1 until one has finished)."""
+        if self._estimated_done <= 0:
+            return 1.0
+        return min(max(self._spent_on_done / self._estimated_done, 0.25), 4.0)
+
+    def within_step(self, fraction: float, message: str = "") -> None:
+        """What the current step is doing, for callers that report only messages (their fractions ignored)."""
+        self.within(0.0, message)
+
+    def finish(self) -> float:
+        """End the last step; the seconds all of them took."""
+        self._finish_current()
+        self._index = -1
+        return time.perf_counter() - self._started
+
+
+def prepare_beside(source: str | None, settings: LoadSettings) -> Future | None:
+    """Make ``source``'s weights ready (joined, verified, converted: :func:`~specdemo.backends.loading.
+    prepare_weights`) in a thread of its own; the future's result is None, or raises what preparing raised. None
+    when there is no source."""
+    if not source:
+        return None
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdemo-prepare")
+    future = pool.submit(prepare_weights, source, settings, False, None)
+    pool.shutdown(wait=False)
+    return future
+
+
+def wait_beside(future: Future | None) -> None:
+    """Wait for what :func:`prepare_beside` started; a failure there is only logged (the load that follows
+    reports it in one line)."""
+    if future is None:
+        return
+    try:
+        future.result()
+    except Exception as error:  # noqa: BLE001 - the load that follows says what went wrong, in one line
+        logger.info("Preparing beside the target failed: %s", error)
+
+
+def plan_steps(target: str, target_settings: LoadSettings, draft: str | None, measuring: bool,
+               calibrating: bool) -> list[Step]:
+    """The steps of preparing this pair, with first guesses from what has to be converted."""
+    steps = [Step(MEASURING_FORMATS, GUESS_MEASURING)] if measuring else []
+    target_bytes = bytes_to_convert(target, target_settings)
+    steps.append(Step(LOADING_TARGET, GUESS_LOAD + GUESS_CONVERT_PER_GB * target_bytes / 1e9))
+    if draft:
+        steps.append(Step(LOADING_DRAFT, GUESS_LOAD))  # its conversion runs beside the target's
+    steps += [Step(CHOOSING_PASSES, 1.0), Step(WARMING_UP, GUESS_WARM_UP)]
+    if calibrating:
+        steps.append(Step(CALIBRATING, GUESS_CALIBRATE))
+    return steps
