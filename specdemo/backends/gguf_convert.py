@@ -185,9 +185,10 @@ def _reader_reused(reader: Any, path: Path) -> Iterator[None]:
             gguf.GGUFReader = original
 
 
-def iter_tensors(source: GgufSource, gguf_names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(transformers name, float32 tensor)`` for the GGUF tensors named, dequantised and processed exactly as
-    transformers' GGUF loader does (tensors it would not load are skipped)."""
+def iter_tensors(source: GgufSource, gguf_names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor, Any]]:
+    """``(transformers name, float32 tensor, raw)`` for the GGUF tensors named, dequantised and processed exactly
+    as transformers' GGUF loader does (tensors it would not load are skipped); ``raw`` is the file's tensor when
+    the processing left its values as dequantised (None when it changed them)."""
     from gguf import dequantize
 
     by_name = {tensor.name: tensor for tensor in source.reader.tensors}
@@ -198,10 +199,11 @@ def iter_tensors(source: GgufSource, gguf_names: Sequence[str]) -> Iterator[tupl
         result = source.processor.process(weights=weights, name=gguf_name, tensor_key_mapping=source.name_map,
                                           parsed_parameters=parsed)
         for hf_name, extra in parsed["tensors"].items():  # processors that split a tensor (experts) put them here
-            yield hf_name, torch.as_tensor(extra).float()
+            yield hf_name, torch.as_tensor(extra).float(), None
         if result.weights is None or result.name not in source.name_map:
             continue
-        yield source.name_map[result.name], torch.from_numpy(np.copy(result.weights))
+        unchanged = result.weights is weights and result.name == gguf_name
+        yield source.name_map[result.name], torch.from_numpy(np.copy(result.weights)), tensor if unchanged else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -246,8 +248,16 @@ def _layout(model: torch.nn.Module, config: Any) -> _Layout:
                    f"{names[id(embed)]}.weight" if embed is not None and id(embed) in names else None)
 
 
-def stored_tensors(name: str, tensor: torch.Tensor, storage: str, layout: _Layout) -> dict[str, torch.Tensor]:
-    """What one loaded tensor (float32, as transformers' GGUF loader gives it) is stored as."""
+#: the ggml types a GGUF stores plain values under (an embedding in one of them is stored in bfloat16)
+_PLAIN_GGML_TYPES = ("F32", "F16", "BF16", "F64")
+#: the suffixes of an embedding kept in its GGUF blocks: the blocks, and their ggml type
+GGUF_BLOCKS, GGUF_TYPE = "gguf_blocks", "gguf_type"
+
+
+def stored_tensors(name: str, tensor: torch.Tensor, storage: str, layout: _Layout,
+                   raw: Any = None) -> dict[str, torch.Tensor]:
+    """What one loaded tensor (float32, as transformers' GGUF loader gives it; ``raw``: the file's own tensor when
+    its values are the dequantised blocks) is stored as."""
     if storage == F32_STORAGE:
         return {name: tensor.float().contiguous()}
     if storage == BF16_STORAGE:
@@ -255,7 +265,11 @@ def stored_tensors(name: str, tensor: torch.Tensor, storage: str, layout: _Layou
     out: dict[str, torch.Tensor] = {}
     targets = [name] + ([layout.tied_head] if name == layout.embedding and layout.tied_head else [])
     for target in targets:
-        if target in layout.linear_weights:
+        if target == layout.embedding and raw is not None and raw.tensor_type.name not in _PLAIN_GGML_TYPES:
+            prefix = target.removesuffix(".weight")  # looked up a row at a time: kept as the file's blocks
+            out[f"{prefix}.{GGUF_BLOCKS}"] = torch.from_numpy(np.array(raw.data, dtype=np.uint8))
+            out[f"{prefix}.{GGUF_TYPE}"] = torch.tensor(int(raw.tensor_type))
+        elif target in layout.linear_weights:
             qweight, scale = int8_rows_of_bf16(tensor, transposed=layout.linear_weights[target])
             prefix = target.removesuffix(".weight")
             out[f"{prefix}.{QWEIGHT}"], out[f"{prefix}.{SCALE}"] = qweight, scale
@@ -331,8 +345,8 @@ def convert(
             weight_map.update(dict.fromkeys(_safetensors_keys(path), shard.file))
             continue
         tensors: dict[str, torch.Tensor] = {}
-        for name, tensor in iter_tensors(source, shard.gguf_names):
-            tensors.update(stored_tensors(name, tensor, storage, layout))
+        for name, tensor, raw in iter_tensors(source, shard.gguf_names):
+            tensors.update(stored_tensors(name, tensor, storage, layout, raw))
         _write_shard(path, tensors, out_dir)
         weight_map.update(dict.fromkeys(tensors, shard.file))
     total_size = sum((out_dir / shard.file).stat().st_size for shard in shards)
@@ -472,7 +486,7 @@ def load_first_layers(gguf: Path, layers: int) -> tuple[torch.nn.Module, int]:
     model = empty_model(config)
     wanted = [tensor.name for tensor in source.reader.tensors
               if (layer := source.layer_of(tensor.name)) is None or layer < config.num_hidden_layers]
-    state = {name: tensor.to(torch.bfloat16) for name, tensor in iter_tensors(source, wanted)}
+    state = {name: tensor.to(torch.bfloat16) for name, tensor, _ in iter_tensors(source, wanted)}
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()

@@ -20,7 +20,8 @@ from torch import nn
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
 from . import formats
-from .gguf_convert import INDEX_NAME, QWEIGHT, SCALE, empty_model
+from .gguf_convert import GGUF_BLOCKS, GGUF_TYPE, INDEX_NAME, QWEIGHT, SCALE, empty_model
+from .gguf_embedding import GgufRowsEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +84,24 @@ def load_int8_folder(folder: Path, fmt: str, kernel: str | None = None) -> PreTr
         formats.share_inputs(model, lambda group: make(group, False), stack=lambda members: _stack(
             [stored(member) for member in members]))
     formats.replace_linear_layers(model, lambda _, child: make(stored(child), child is head))
+    _embedding_from_blocks(model, names, tensors, formats.activation_dtype(fmt))
     _assign(model, tensors)
     model.generation_config = GenerationConfig.from_pretrained(str(folder))
     model.eval()
     return formats.finish_int8_format(model, fmt, tied)
+
+
+def _embedding_from_blocks(model: PreTrainedModel, names: dict[int, str], tensors: dict[str, torch.Tensor],
+                           dtype: torch.dtype) -> None:
+    """The input embedding as a :class:`GgufRowsEmbedding` when the folder keeps it in its GGUF blocks."""
+    embedding = model.get_input_embeddings()
+    prefix = names[id(embedding)]
+    blocks = tensors.pop(f"{prefix}.{GGUF_BLOCKS}", None)
+    if blocks is None:
+        return
+    ggml_type = int(tensors.pop(f"{prefix}.{GGUF_TYPE}"))
+    model.set_input_embeddings(GgufRowsEmbedding(blocks, ggml_type, embedding.embedding_dim, dtype,
+                                                 embedding.padding_idx))
 
 
 def _layer_maker(fmt: str, kernel: str | None, hidden_size: int | None):  # type: ignore[no-untyped-def]

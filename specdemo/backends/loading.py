@@ -372,14 +372,19 @@ def _storage(settings: LoadSettings) -> str:
     return gguf_convert.storage_for(resolve_format(settings.dtype, resolve_device(settings.device)))
 
 
-def prepare_weights(source: str, settings: LoadSettings = LoadSettings(), progress: bool = True,
-                    on_progress: ProgressCallback | None = None) -> None:
+def prepare_weights(source: str, settings: LoadSettings = LoadSettings(), convert: bool = True) -> None:
     """Make ``source``'s weights ready to load with ``settings`` without loading them: an offline model or a local
-    GGUF is joined, verified and converted (what the first load would do), anything else is left alone. Lets a
-    caller convert a draft while the target is prepared."""
-    key = _resolve(source, settings)[0]
-    if offline.is_offline_source(key[0]) or (settings.local_files and key[0].lower().endswith(".gguf")):
-        _resolve_source(key[0], progress, on_progress, settings)
+    GGUF is joined and verified (hashed), then, with ``convert``, converted, as the first load would do; anything
+    else is left alone. Lets a caller prepare a draft while the target is prepared."""
+    name = _resolve(source, settings)[0][0]
+    if not offline.is_offline_source(name) and not (settings.local_files and name.lower().endswith(".gguf")):
+        return
+    if convert:
+        _resolve_source(name, False, None, settings)
+    elif bytes_to_convert(name, settings) and not offline.get_offline_model(name).single_file:
+        offline.joined_gguf(offline.offline_name(name), progress=False)
+    elif not offline.is_offline_source(name):
+        offline.cached_file_sha256(Path(name), progress=False)
 
 
 def load_first_layers(source: str, settings: LoadSettings, layers: int) -> tuple[PreTrainedModel, int]:

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 #: decoder layers of the real weights each format is measured on
 PROBE_LAYERS = 4
 #: timed passes of each length, and the most seconds a format's passes may take after the second round
-PROBE_REPEATS, PROBE_BUDGET_SECONDS = 5, 4.0
+PROBE_REPEATS, PROBE_BUDGET_SECONDS = 3, 2.0
 #: cached tokens before the timed passes (as the whole-model calibration)
 PROBE_PREFIX = 128
 

@@ -6,14 +6,16 @@ report through one callback, ``(fraction, message)``, as ``step 3 of 7, converti
 left)``: each step's estimate starts from a guess made from the sizes involved, and once a step ends, the steps
 left are scaled by how the finished ones compared with their guesses (a slower disk or CPU shows after a step).
 
-What overlaps: the draft's weights (joined, verified, converted) are made ready in a thread while the target's
-are, the one thing of a first start that keeps to its own files and needs no timing: the format measurement and
-the calibration run only after it is done, alone on the cores.
+What overlaps: the draft's weights are made ready in a thread while the target's are (:class:`PreparedBeside`):
+its files are joined and verified while the target's are, and it is converted while the target is. The target's
+format measurement waits for the join and holds the conversion back, so that it runs alone on the cores; the
+calibration runs after both.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -104,25 +106,49 @@ class StepProgress:
         return time.perf_counter() - self._started
 
 
-def prepare_beside(source: str | None, settings: LoadSettings) -> Future | None:
-    """Make ``source``'s weights ready (joined, verified, converted: :func:`~specdemo.backends.loading.
-    prepare_weights`) in a thread of its own; the future's result is None, or raises what preparing raised. None
-    when there is no source."""
-    if not source:
-        return None
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdemo-prepare")
-    future = pool.submit(prepare_weights, source, settings, False, None)
-    pool.shutdown(wait=False)
-    return future
+class PreparedBeside:
+    """A model's weights made ready in a thread of its own while the target's are: its files joined and verified at
+    once, its conversion held back until :meth:`release` (so that nothing runs beside the target's format
+    measurement) and then run beside the target's conversion (see :func:`~specdemo.backends.loading.
+    prepare_weights`)."""
+
+    def __init__(self, source: str, settings: LoadSettings) -> None:
+        self._released = threading.Event()
+        self._joined = threading.Event()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdemo-prepare")
+        self.future: Future = pool.submit(self._prepare, source, settings)
+        pool.shutdown(wait=False)
+
+    def _prepare(self, source: str, settings: LoadSettings) -> None:
+        try:
+            prepare_weights(source, settings, convert=False)
+        finally:
+            self._joined.set()
+        self._released.wait()
+        prepare_weights(source, settings)
+
+    def wait_joined(self) -> None:
+        """Wait until its files are joined and verified (it then waits for :meth:`release`)."""
+        self._joined.wait()
+
+    def release(self) -> None:
+        """Let its conversion run."""
+        self._released.set()
 
 
-def wait_beside(future: Future | None) -> None:
-    """Wait for what :func:`prepare_beside` started; a failure there is only logged (the load that follows
-    reports it in one line)."""
-    if future is None:
+def prepare_beside(source: str | None, settings: LoadSettings) -> PreparedBeside | None:
+    """Start preparing ``source``'s weights beside the target's (None when there is no source)."""
+    return PreparedBeside(source, settings) if source else None
+
+
+def wait_beside(beside: PreparedBeside | None) -> None:
+    """Let what :func:`prepare_beside` started finish, and wait for it; a failure there is only logged (the load
+    that follows reports it in one line)."""
+    if beside is None:
         return
+    beside.release()
     try:
-        future.result()
+        beside.future.result()
     except Exception as error:  # noqa: BLE001 - the load that follows says what went wrong, in one line
         logger.info("Preparing beside the target failed: %s", error)
 

@@ -297,23 +297,28 @@ class Racer:
                                                 config.calibrate))
         beside = prepare_beside(draft_source, LoadSettings(dtype=draft_dtype(dtype), device=config.device,
                                                            **draft_limits))
-        if choosing:
-            if measures_formats(target_source, target_settings):  # candidates load: free the old pair first
-                self._free_before_candidates(target_source, target_settings, pair_draft, LoadSettings(**draft_limits))
-                steps.start(MEASURING_FORMATS, f"{', '.join(AUTO_FORMATS)} on a few layers of the real weights, "
-                            "alone on the cores (once per machine)")
-                wait_beside(beside)  # nothing else runs while formats are timed
-            try:
-                choice = choose_format(target_source, target_settings, load=config.loader,
-                                       measure_candidates=quick_curves)
-            except (ModelLoadError, OfflinePackError) as error:
-                raise InputError(first_line(error)) from None
-            dtype, format_reason = choice.format, choice.reason
-            target_settings = replace(target_settings, dtype=dtype)
-        draft_settings = LoadSettings(dtype=draft_dtype(dtype), device=config.device, **draft_limits)
-        # the pair's draft stays loaded in a draft-free mode, so flipping modes on one pair reloads nothing
-        self._switch_pair(target_source, target_settings, pair_draft, draft_settings)
-        steps.start(LOADING_TARGET, target_source)
+        try:
+            if choosing:
+                if measures_formats(target_source, target_settings):  # candidates load: free the old pair first
+                    self._free_before_candidates(target_source, target_settings, pair_draft, LoadSettings(**draft_limits))
+                    steps.start(MEASURING_FORMATS, f"{', '.join(AUTO_FORMATS)} on a few layers of the real weights, "
+                                "alone on the cores (once per machine)")
+                    if beside is not None:
+                        beside.wait_joined()  # its conversion waits: nothing else runs while formats are timed
+                try:
+                    choice = choose_format(target_source, target_settings, load=config.loader,
+                                           measure_candidates=quick_curves)
+                except (ModelLoadError, OfflinePackError) as error:
+                    raise InputError(first_line(error)) from None
+                dtype, format_reason = choice.format, choice.reason
+                target_settings = replace(target_settings, dtype=dtype)
+            draft_settings = LoadSettings(dtype=draft_dtype(dtype), device=config.device, **draft_limits)
+            # the pair's draft stays loaded in a draft-free mode, so flipping modes on one pair reloads nothing
+            self._switch_pair(target_source, target_settings, pair_draft, draft_settings)
+            steps.start(LOADING_TARGET, target_source)
+        finally:
+            if beside is not None:
+                beside.release()  # the draft converts while the target does (or when this failed, for next time)
         target = self._load(target_source, target_settings, steps.within, "target")
         # the prompt is measured with the target's tokenizer before the draft loads or any pass runs
         prompt_ids = encode_prompt(target, request.prompt, chat=bool(request.chat))
