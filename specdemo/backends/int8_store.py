@@ -69,11 +69,23 @@ def load_int8_folder(folder: Path, fmt: str, kernel: str | None = None) -> PreTr
     config = AutoConfig.from_pretrained(str(folder))
     model = empty_model(config)
     tensors = read_tensors(folder)
+    names = {id(module): name for name, module in model.named_modules()}
+    int8_layers_into(model, tensors, fmt, kernel)
+    _embedding_from_blocks(model, names, tensors, formats.activation_dtype(fmt))
+    _assign(model, tensors)
+    model.generation_config = GenerationConfig.from_pretrained(str(folder))
+    model.eval()
+    return formats.finish_int8_format(model, fmt, bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def int8_layers_into(model: nn.Module, tensors: dict[str, torch.Tensor], fmt: str, kernel: str | None = None) -> None:
+    """Replace ``model``'s linear layers (in w8a8 its shared-input groups first, as :func:`~specdemo.backends.
+    formats.to_int8_format` does) by ``fmt``'s layers made from the int8 values, row scales and biases in
+    ``tensors`` (``<layer>.qweight``, ``<layer>.scale``, ``<layer>.bias``; taken out of the dict)."""
     head = model.get_output_embeddings()
-    tied = bool(getattr(config, "tie_word_embeddings", False))
     names = {id(module): name for name, module in model.named_modules()}
     make = _layer_maker(fmt, kernel or (formats.w8a8_kernel() if fmt == formats.W8A8 else None),
-                        getattr(config, "hidden_size", None))
+                        getattr(model.config, "hidden_size", None))
 
     def stored(member: nn.Module) -> StoredLinear:
         prefix = names[id(member)]
@@ -84,11 +96,21 @@ def load_int8_folder(folder: Path, fmt: str, kernel: str | None = None) -> PreTr
         formats.share_inputs(model, lambda group: make(group, False), stack=lambda members: _stack(
             [stored(member) for member in members]))
     formats.replace_linear_layers(model, lambda _, child: make(stored(child), child is head))
-    _embedding_from_blocks(model, names, tensors, formats.activation_dtype(fmt))
-    _assign(model, tensors)
-    model.generation_config = GenerationConfig.from_pretrained(str(folder))
-    model.eval()
-    return formats.finish_int8_format(model, fmt, tied)
+
+
+def int8_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What the int8 storage holds for ``model``'s linear layers (bfloat16 weights): each layer's int8 values and
+    float32 row scales, and its bias (for :func:`int8_layers_into`; both int8-weight formats use the same)."""
+    from .gguf_convert import int8_rows_of_bf16, linear_layers
+    from transformers.pytorch_utils import Conv1D
+
+    values: dict[str, torch.Tensor] = {}
+    for name, layer in linear_layers(model).items():
+        qweight, scale = int8_rows_of_bf16(layer.weight.detach(), transposed=isinstance(layer, Conv1D))
+        values[f"{name}.{QWEIGHT}"], values[f"{name}.{SCALE}"] = qweight, scale
+        if layer.bias is not None:
+            values[f"{name}.bias"] = layer.bias.detach()
+    return values
 
 
 def _embedding_from_blocks(model: PreTrainedModel, names: dict[int, str], tensors: dict[str, torch.Tensor],

@@ -346,6 +346,8 @@ def _resolve_source(
                                                 on_progress=on_progress)), True
         except offline.OfflinePackError as err:
             raise ModelLoadError(str(err)) from err
+        finally:
+            gguf_convert.forget_opened()  # the file and what a format measurement kept of it
 
     if not settings.local_files:
         return str(_capped_snapshot(source, settings.max_download_bytes)), True
@@ -359,6 +361,8 @@ def _resolve_source(
                                                        on_progress=on_progress)), True
             except offline.OfflinePackError as err:
                 raise ModelLoadError(str(err)) from err
+            finally:
+                gguf_convert.forget_opened()
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise ModelLoadError(f"cannot load '{source}': the folder has no config.json")
@@ -381,8 +385,8 @@ def prepare_weights(source: str, settings: LoadSettings = LoadSettings(), conver
         return
     if convert:
         _resolve_source(name, False, None, settings)
-    elif bytes_to_convert(name, settings) and not offline.get_offline_model(name).single_file:
-        offline.joined_gguf(offline.offline_name(name), progress=False)
+    elif bytes_to_convert(name, settings):  # joined, verified and parsed (kept for the conversion that follows)
+        gguf_convert.open_gguf(offline.joined_gguf(offline.offline_name(name), progress=False))
     elif not offline.is_offline_source(name):
         offline.cached_file_sha256(Path(name), progress=False)
 

@@ -18,13 +18,15 @@ import copy
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..backends import formats
+from ..backends.gguf_embedding import GgufRowsEmbedding
+from ..backends.int8_store import int8_layers_into, int8_values
 from ..backends.loading import LoadSettings, ModelLoadError, load_first_layers, resolve_device
 from ..backends.memory import return_free_memory
 from ..backends.transformers_lm import CachedLM
@@ -133,22 +135,38 @@ def _estimated_curve(source: str, fmt: str, model: nn.Module, total_layers: int,
     )
 
 
-def in_format(model: nn.Module, fmt: str) -> nn.Module:
-    """A copy of the bfloat16 ``model`` in ``fmt``, as a whole load in that format would give it."""
+def in_format(model: nn.Module, fmt: str, int8: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """A copy of the bfloat16 ``model`` in ``fmt``, as a whole load in that format would give it (``int8``: the
+    int8 values of its linear layers, :func:`~specdemo.backends.int8_store.int8_values`, made once for both
+    int8-weight formats)."""
     copied = copy.deepcopy(model)
     if fmt in formats.INT8_FORMATS:
-        return formats.to_int8_format(copied, fmt)
-    return copied.to(getattr(torch, fmt))
+        tied = copied.get_output_embeddings().weight is getattr(copied.get_input_embeddings(), "weight", None)
+        int8_layers_into(copied, dict(int8 if int8 is not None else int8_values(copied)), fmt)
+        formats.finish_int8_format(copied, fmt, tied)
+    else:
+        copied.to(getattr(torch, fmt))
+    embedding = copied.get_input_embeddings()
+    if isinstance(embedding, GgufRowsEmbedding):  # rows in the format's activation dtype, as a whole load gives
+        embedding.out_dtype = formats.activation_dtype(fmt) if fmt in formats.INT8_FORMATS else getattr(torch, fmt)
+    return copied
 
 
 def quick_curves(source: str, settings: LoadSettings, candidates: Sequence[str] = AUTO_FORMATS,
-                 layers: int = PROBE_LAYERS) -> dict[str, CostCurve]:
+                 layers: int = PROBE_LAYERS, before_timing: Callable[[], None] | None = None) -> dict[str, CostCurve]:
     """Each candidate format's estimated whole-model curve for ``source`` on this machine, measured on its first
-    ``layers`` decoder layers (see the module's text). A format this torch cannot run is left out."""
+    ``layers`` decoder layers (see the module's text). A format this torch cannot run is left out.
+    ``before_timing`` is called once the layers are read and before anything is timed (to wait for whatever else
+    was running on the cores)."""
     from ..backends.loading import resolve_format
 
+    started = time.perf_counter()
     model, total_layers = load_first_layers(source, settings, layers)
+    logger.info("Read %d of %d layers of %s in %.1f s", layers, total_layers, source, time.perf_counter() - started)
+    if before_timing is not None:
+        before_timing()
     curves: dict[str, CostCurve] = {}
+    int8: dict[str, torch.Tensor] | None = None
     for fmt in candidates:
         started = time.perf_counter()
         try:
@@ -156,9 +174,12 @@ def quick_curves(source: str, settings: LoadSettings, candidates: Sequence[str] 
         except ModelLoadError as error:  # e.g. a torch without the int8 kernel
             logger.info("Format %s unavailable for %s: %s", fmt, source, error)
             continue
-        candidate = in_format(model, fmt)
+        if fmt in formats.INT8_FORMATS and int8 is None:
+            int8 = int8_values(model)
+        candidate = in_format(model, fmt, int8)
         curves[fmt] = _estimated_curve(source, fmt, candidate, total_layers, started)
         curves[fmt].measured_layers = f"{len(decoder_layers(candidate))} of {total_layers}"
+        logger.info("Measured %s on them in %.1f s", fmt, curves[fmt].measured_seconds)
         del candidate
         return_free_memory()
     if not curves:

@@ -6,7 +6,7 @@ report through one callback, ``(fraction, message)``, as ``step 3 of 7, converti
 left)``: each step's estimate starts from a guess made from the sizes involved, and once a step ends, the steps
 left are scaled by how the finished ones compared with their guesses (a slower disk or CPU shows after a step).
 
-What overlaps: the draft's weights are made ready in a thread while the target's are (:class:`PreparedBeside`):
+What overlaps: the draft's weights are made ready in a process while the target's are (:class:`PreparedBeside`):
 its files are joined and verified while the target's are, and it is converted while the target is. The target's
 format measurement waits for the join and holds the conversion back, so that it runs alone on the cores; the
 calibration runs after both.
@@ -15,11 +15,11 @@ calibration runs after both.
 from __future__ import annotations
 
 import logging
-import threading
+import multiprocessing
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..backends.loading import LoadSettings, bytes_to_convert, prepare_weights
 
@@ -107,50 +107,66 @@ class StepProgress:
 
 
 class PreparedBeside:
-    """A model's weights made ready in a thread of its own while the target's are: its files joined and verified at
-    once, its conversion held back until :meth:`release` (so that nothing runs beside the target's format
-    measurement) and then run beside the target's conversion (see :func:`~specdemo.backends.loading.
-    prepare_weights`)."""
+    """A model's weights made ready in a process of its own while the target's are: its files joined, verified and
+    parsed at once, its conversion held back until :meth:`release` (so that nothing runs beside the target's format
+    measurement) and then run on the other core beside the target's conversion (see :func:`~specdemo.backends.
+    loading.prepare_weights`). A process, not a thread: the conversion is Python-bound in part, and two conversions
+    in threads of one process took longer together (95 s) than one after the other (83 s)."""
 
     def __init__(self, source: str, settings: LoadSettings) -> None:
-        self._released = threading.Event()
-        self._joined = threading.Event()
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdemo-prepare")
-        self.future: Future = pool.submit(self._prepare, source, settings)
-        pool.shutdown(wait=False)
-
-    def _prepare(self, source: str, settings: LoadSettings) -> None:
-        try:
-            prepare_weights(source, settings, convert=False)
-        finally:
-            self._joined.set()
-        self._released.wait()
-        prepare_weights(source, settings)
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
+        self._joined = context.Event()
+        self._released = context.Event()
+        self.process = context.Process(target=_prepare_in_child, args=(source, settings, self._joined,
+                                                                      self._released),
+                                       name="specdemo-prepare", daemon=True)
+        self.process.start()
 
     def wait_joined(self) -> None:
-        """Wait until its files are joined and verified (it then waits for :meth:`release`)."""
-        self._joined.wait()
+        """Wait until its files are joined, verified and parsed (it then waits for :meth:`release`)."""
+        while not self._joined.wait(0.5) and self.process.is_alive():
+            pass
 
     def release(self) -> None:
         """Let its conversion run."""
         self._released.set()
 
+    def wait(self) -> None:
+        """Let its conversion run and wait for it to end."""
+        self.release()
+        self.process.join()
+        if self.process.exitcode:
+            logger.info("Preparing beside the target ended with code %s", self.process.exitcode)
+
+
+def _prepare_in_child(source: str, settings: LoadSettings, joined: Any, released: Any) -> None:
+    """The other process's work: join and parse, wait to be released, convert. Its failures are left to the
+    load that follows, which says what went wrong in one line."""
+    try:
+        try:
+            prepare_weights(source, settings, convert=False)
+        finally:
+            joined.set()
+        released.wait()
+        prepare_weights(source, settings)
+    except Exception as error:  # noqa: BLE001 - reported by the load that follows
+        logger.info("Preparing %s beside the target failed: %s", source, error)
+        raise SystemExit(1) from None
+
 
 def prepare_beside(source: str | None, settings: LoadSettings) -> PreparedBeside | None:
-    """Start preparing ``source``'s weights beside the target's (None when there is no source)."""
-    return PreparedBeside(source, settings) if source else None
+    """Start preparing ``source``'s weights beside the target's: when it has GGUF weights still to convert (None
+    otherwise, and when there is no source)."""
+    if not source or not bytes_to_convert(source, settings):
+        return None
+    return PreparedBeside(source, settings)
 
 
 def wait_beside(beside: PreparedBeside | None) -> None:
-    """Let what :func:`prepare_beside` started finish, and wait for it; a failure there is only logged (the load
-    that follows reports it in one line)."""
-    if beside is None:
-        return
-    beside.release()
-    try:
-        beside.future.result()
-    except Exception as error:  # noqa: BLE001 - the load that follows says what went wrong, in one line
-        logger.info("Preparing beside the target failed: %s", error)
+    """Let what :func:`prepare_beside` started finish, and wait for it (a failure there is left to the load that
+    follows)."""
+    if beside is not None:
+        beside.wait()
 
 
 def plan_steps(target: str, target_settings: LoadSettings, draft: str | None, measuring: bool,

@@ -303,11 +303,10 @@ class Racer:
                     self._free_before_candidates(target_source, target_settings, pair_draft, LoadSettings(**draft_limits))
                     steps.start(MEASURING_FORMATS, f"{', '.join(AUTO_FORMATS)} on a few layers of the real weights, "
                                 "alone on the cores (once per machine)")
-                    if beside is not None:
-                        beside.wait_joined()  # its conversion waits: nothing else runs while formats are timed
                 try:
                     choice = choose_format(target_source, target_settings, load=config.loader,
-                                           measure_candidates=quick_curves)
+                                           measure_candidates=functools.partial(quick_curves, before_timing=(
+                                               beside.wait_joined if beside is not None else None)))
                 except (ModelLoadError, OfflinePackError) as error:
                     raise InputError(first_line(error)) from None
                 dtype, format_reason = choice.format, choice.reason
