@@ -92,7 +92,7 @@ def target_facts(target: LoadedModel) -> TargetFacts:
     architectures = tuple(getattr(model.config, "architectures", None) or ()) + (type(model).__name__,)
     return TargetFacts(
         source=target.source,
-        hidden_size=int(model.get_input_embeddings().weight.shape[1]),
+        hidden_size=int(model.get_input_embeddings().embedding_dim),
         vocab_size=output_rows(model),
         num_layers=int(getattr(config, "num_hidden_layers", 0) or 0),
         names=tuple(n for n in names if n),

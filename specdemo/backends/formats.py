@@ -312,7 +312,7 @@ def to_int8_format(model: PreTrainedModel, fmt: str = INT8, kernel: str | None =
     multiply with ``kernel`` (None: :func:`w8a8_kernel`). Returns the model."""
     layer = _FORMAT_LAYERS[fmt][0]
     head = model.get_output_embeddings()
-    tied = head is not None and head.weight is getattr(model.get_input_embeddings(), "weight", None)
+    tied = head_is_tied(model)
     hidden_size = getattr(model.config, "hidden_size", None)
     if layer is W8A8Linear:
         kernel = kernel or w8a8_kernel()
@@ -322,6 +322,14 @@ def to_int8_format(model: PreTrainedModel, fmt: str = INT8, kernel: str | None =
     else:
         replace_linear_layers(model, lambda linear, _: layer(linear))
     return finish_int8_format(model, fmt, tied)
+
+
+def head_is_tied(model: nn.Module) -> bool:
+    """Whether the LM head's weight is the input embedding's (read from the registered parameters: an embedding
+    kept in GGUF blocks dequantises its whole table to answer ``.weight``)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    weight = getattr(head, "_parameters", {}).get("weight") if head is not None else None
+    return weight is not None and weight is getattr(embedding, "_parameters", {}).get("weight")
 
 
 def finish_int8_format(model: PreTrainedModel, fmt: str, tied: bool) -> PreTrainedModel:

@@ -141,7 +141,7 @@ def in_format(model: nn.Module, fmt: str, int8: dict[str, torch.Tensor] | None =
     int8-weight formats)."""
     copied = copy.deepcopy(model)
     if fmt in formats.INT8_FORMATS:
-        tied = copied.get_output_embeddings().weight is getattr(copied.get_input_embeddings(), "weight", None)
+        tied = formats.head_is_tied(copied)
         int8_layers_into(copied, dict(int8 if int8 is not None else int8_values(copied)), fmt)
         formats.finish_int8_format(copied, fmt, tied)
     else:
