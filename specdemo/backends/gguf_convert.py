@@ -282,6 +282,11 @@ def linear_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, Conv1D))}
 
 
+#: rows quantised at a time: each row is quantised alone, so blocks give the same bits as the whole matrix, and a
+#: block's float32 temporaries stay small (a 151,936-row head: 1.9 s whole, 1.3 s in blocks)
+ROWS_AT_A_TIME = 4096
+
+
 def int8_rows_of_bf16(weight: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 values and float32 row scales the int8-weight formats give a weight loaded in bfloat16."""
     from .formats import int8_rows
@@ -289,7 +294,12 @@ def int8_rows_of_bf16(weight: torch.Tensor, transposed: bool = False) -> tuple[t
     weight = weight.to(torch.bfloat16)
     if transposed:  # Conv1D keeps its weight as [in, out]
         weight = weight.t().contiguous()
-    return int8_rows(weight.float())
+    qweight = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], ROWS_AT_A_TIME):
+        stop = start + ROWS_AT_A_TIME
+        qweight[start:stop], scale[start:stop] = int8_rows(weight[start:stop].float())
+    return qweight, scale
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,8 @@ def _quantised(linear: torch.nn.Linear) -> torch.nn.Module:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return quantize_dynamic(torch.nn.Sequential(linear), {"0": per_channel_dynamic_qconfig}, dtype=torch.qint8)
+        return quantize_dynamic(torch.nn.Sequential(linear), {"0": per_channel_dynamic_qconfig}, dtype=torch.qint8,
+                                inplace=True)  # ``linear`` is always a fresh layer: no copy of its float weights
 
 
 #: linear layers scoring leading rows of a model's LM head, weakly keyed by the model (freed with it):
