@@ -409,8 +409,8 @@ def convert(
     plan = {"identity": identity, "storage": storage, "version": STORAGE_VERSION,
             "shards": [[shard.file, list(shard.gguf_names)] for shard in shards]}
     done = _resume(out_dir, plan)
-    _check_space(out_dir, source, shards, done, storage, layout)
     blocks_of = source.gguf_name_of(layout.embedding) if storage == INT8_STORAGE and not layout.tied_head else None
+    _check_space(out_dir, source, shards, done, storage, layout, blocks_of)
     weight_map: dict[str, str] = {}
     total = len(shards)
     for index, shard in enumerate(shards):
@@ -485,12 +485,18 @@ SPACE_MARGIN_BYTES = 64 * 1024 * 1024
 
 
 def _check_space(out_dir: Path, source: GgufSource, shards: list[Shard], done: set[str], storage: str,
-                 layout: _Layout) -> None:
+                 layout: _Layout, blocks_of: str | None) -> None:
     """Refuse, in one line naming the folder, a conversion whose remaining shards cannot fit on the disk."""
-    shapes = {tensor.name: list(reversed([int(d) for d in tensor.shape])) for tensor in source.reader.tensors}
+    tensors = {tensor.name: tensor for tensor in source.reader.tensors}
     reverse = {gguf_name: hf_name for gguf_name, hf_name in _gguf_to_hf(source).items()}
-    need = sum(_stored_bytes(shapes[name], reverse.get(name, name), storage, layout)
-               for shard in shards if shard.file not in done for name in shard.gguf_names)
+
+    def stored(name: str) -> int:
+        if name == blocks_of:
+            return int(tensors[name].n_bytes)
+        shape = list(reversed([int(d) for d in tensors[name].shape]))
+        return _stored_bytes(shape, reverse.get(name, name), storage, layout)
+
+    need = sum(stored(name) for shard in shards if shard.file not in done for name in shard.gguf_names)
     free = shutil.disk_usage(out_dir).free
     if need + SPACE_MARGIN_BYTES > free:
         raise ConversionError(f"not enough disk space in {out_dir.parent}: converting {source.path.name} into "

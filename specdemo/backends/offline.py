@@ -458,7 +458,12 @@ def converted_folder(
         gguf = joined_gguf(model.name, progress=progress, on_progress=on_progress)
         return gguf, {"source": model.source, "gguf_sha256": model.sha256, "gguf_size": gguf.stat().st_size}
 
-    converted = _convert_into(source, final, model.sha256, storage, model.eos_tokens, on_progress)
+    try:
+        converted = _convert_into(source, final, model.sha256, storage, model.eos_tokens, on_progress)
+    except OfflinePackError:  # e.g. no room: the joined file goes too (joining again takes seconds)
+        if not model.single_file:
+            drop_joined(model.name)
+        raise
     if not model.single_file:
         drop_joined(model.name)
     _remove_old_layout(cache_home() / "models" / model.name)

@@ -115,40 +115,57 @@ class PreparedBeside:
 
     def __init__(self, source: str, settings: LoadSettings) -> None:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
-        self._joined = context.Event()
-        self._released = context.Event()
-        self.process = context.Process(target=_prepare_in_child, args=(source, settings, self._joined,
-                                                                      self._released),
+        # a pipe, not events: no semaphores to leak when the process is ended early, and the other side's end
+        # reads as end-of-file when this process dies
+        self._connection, child_end = context.Pipe()
+        self._joined = self._released = False
+        self.process = context.Process(target=_prepare_in_child, args=(source, settings, child_end),
                                        name="specdemo-prepare", daemon=True)
         self.process.start()
+        child_end.close()
 
     def wait_joined(self) -> None:
         """Wait until its files are joined, verified and parsed (it then waits for :meth:`release`)."""
-        while not self._joined.wait(0.5) and self.process.is_alive():
-            pass
+        while not self._joined and self.process.is_alive():
+            self._joined = self._connection.poll(0.5)
 
     def release(self) -> None:
         """Let its conversion run."""
-        self._released.set()
+        if not self._released and self.process.is_alive():
+            try:
+                self._connection.send(True)
+            except OSError:  # it ended already
+                pass
+        self._released = True
+
+    def stop(self) -> None:
+        """End it now (a preparation that failed on the target's side): a conversion cut here resumes next time."""
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join()
+        self._connection.close()
 
     def wait(self) -> None:
         """Let its conversion run and wait for it to end."""
         self.release()
         self.process.join()
+        self._connection.close()
         if self.process.exitcode:
             logger.info("Preparing beside the target ended with code %s", self.process.exitcode)
 
 
-def _prepare_in_child(source: str, settings: LoadSettings, joined: Any, released: Any) -> None:
-    """The other process's work: join and parse, wait to be released, convert. Its failures are left to the
-    load that follows, which says what went wrong in one line."""
+def _prepare_in_child(source: str, settings: LoadSettings, connection: Any) -> None:
+    """The other process's work: join and parse, say so, wait to be released, convert. Its failures are left to
+    the load that follows, which says what went wrong in one line."""
     try:
         try:
             prepare_weights(source, settings, convert=False)
         finally:
-            joined.set()
-        released.wait()
+            connection.send(True)
+        connection.recv()  # released (end-of-file: the parent is gone, and so is the need)
         prepare_weights(source, settings)
+    except EOFError:
+        raise SystemExit(0) from None
     except Exception as error:  # noqa: BLE001 - reported by the load that follows
         logger.info("Preparing %s beside the target failed: %s", source, error)
         raise SystemExit(1) from None

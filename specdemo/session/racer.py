@@ -61,6 +61,7 @@ from .preparation import (
     LOADING_TARGET,
     MEASURING_FORMATS,
     WARMING_UP,
+    PreparedBeside,
     StepProgress,
     plan_steps,
     prepare_beside,
@@ -299,16 +300,7 @@ class Racer:
                                                            **draft_limits))
         try:
             if choosing:
-                if measures_formats(target_source, target_settings):  # candidates load: free the old pair first
-                    self._free_before_candidates(target_source, target_settings, pair_draft, LoadSettings(**draft_limits))
-                    steps.start(MEASURING_FORMATS, f"{', '.join(AUTO_FORMATS)} on a few layers of the real weights, "
-                                "alone on the cores (once per machine)")
-                try:
-                    choice = choose_format(target_source, target_settings, load=config.loader,
-                                           measure_candidates=functools.partial(quick_curves, before_timing=(
-                                               beside.wait_joined if beside is not None else None)))
-                except (ModelLoadError, OfflinePackError) as error:
-                    raise InputError(first_line(error)) from None
+                choice = self._choose_format(target_source, target_settings, pair_draft, draft_limits, steps, beside)
                 dtype, format_reason = choice.format, choice.reason
                 target_settings = replace(target_settings, dtype=dtype)
             draft_settings = LoadSettings(dtype=draft_dtype(dtype), device=config.device, **draft_limits)
@@ -318,7 +310,12 @@ class Racer:
         finally:
             if beside is not None:
                 beside.release()  # the draft converts while the target does (or when this failed, for next time)
-        target = self._load(target_source, target_settings, steps.within, "target")
+        try:
+            target = self._load(target_source, target_settings, steps.within, "target")
+        except InputError:
+            if beside is not None:
+                beside.stop()  # a conversion cut here resumes next time
+            raise
         # the prompt is measured with the target's tokenizer before the draft loads or any pass runs
         prompt_ids = encode_prompt(target, request.prompt, chat=bool(request.chat))
         check_prompt_tokens(prompt_ids, checked.max_prompt_tokens)
@@ -354,6 +351,21 @@ class Racer:
                 logger.exception("Calibration failed")
         logger.info("Prepared %s in %.1f s", target_source, steps.finish())
         return prepared
+
+    def _choose_format(self, target_source: str, target_settings: LoadSettings, pair_draft: str | None,
+                       draft_limits: dict[str, Any], steps: StepProgress,
+                       beside: PreparedBeside | None) -> FormatChoice:
+        """``--dtype auto``'s format for the target: cached for this machine, else measured on a few layers of its
+        real weights, alone on the cores (the draft's preparation beside waits until the timing is done)."""
+        if measures_formats(target_source, target_settings):  # candidates load: free the old pair first
+            self._free_before_candidates(target_source, target_settings, pair_draft, LoadSettings(**draft_limits))
+            steps.start(MEASURING_FORMATS, f"{', '.join(AUTO_FORMATS)} on a few layers of the real weights, alone "
+                        "on the cores (once per machine)")
+        measure = functools.partial(quick_curves, before_timing=beside.wait_joined if beside is not None else None)
+        try:
+            return choose_format(target_source, target_settings, load=self.config.loader, measure_candidates=measure)
+        except (ModelLoadError, OfflinePackError) as error:
+            raise InputError(first_line(error)) from None
 
     def preload(self, key: str | None = None) -> None:
         """Load a preset's pair now (the default pair unless ``key``) as a race would, before serving (ZeroGPU
