@@ -55,7 +55,7 @@ class StepProgress:
     report: Progress
     steps: list[Step]
     _index: int = -1
-    _started: float = field(default_factory=time.perf_counter)
+    _started: float = field(default_factory=lambda: time.perf_counter())
     _step_started: float = 0.0
     _spent_on_done: float = 0.0
     _estimated_done: float = 0.0
