@@ -98,3 +98,15 @@ def test_the_first_layers_of_a_gguf_are_those_of_the_whole_model(tmp_path: Path,
             assert torch.equal(tensor, whole_state[name]), name
         if tied:  # as the file says
             assert cut.get_output_embeddings().weight is cut.get_input_embeddings().weight
+
+
+def test_the_first_layers_of_a_folder_are_read_with_its_own_weights(tmp_path: Path) -> None:
+    from specdemo.backends.loading import load_first_layers
+
+    model = llama(7, layers=3)
+    model.save_pretrained(str(tmp_path / "tiny"))
+    cut, total = load_first_layers(str(tmp_path / "tiny"), LoadSettings(dtype="auto", device="cpu"), 2)
+    assert total == 3 and len(decoder_layers(cut)) == 2 and cut.dtype == torch.bfloat16
+    whole = {name: t.to(torch.bfloat16) for name, t in model.state_dict().items()}
+    for name, tensor in cut.state_dict().items():
+        assert torch.equal(tensor, whole[name]), name

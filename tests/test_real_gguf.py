@@ -1,6 +1,6 @@
 """The whole offline path on a real file, in CI (which never installs the offline pack): a tiny Qwen2 written as a
 GGUF by the ``gguf`` package, with a byte-level BPE tokenizer trained here, Qwen's chat template and its special
-tokens, converted by the real ``convert_gguf`` (transformers' GGUF loader, no stub), loaded through
+tokens, converted by the real converter (transformers' GGUF machinery, no stub), loaded through
 ``load_model`` and raced: every mode's greedy output equals plain decoding's, and the run stops at the chat's
 end-of-turn token as the offline pack's target does."""
 
