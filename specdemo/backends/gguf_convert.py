@@ -533,3 +533,42 @@ def _report(on_progress: ProgressCallback | None, fraction: float, message: str)
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A few layers of the real weights, for measuring formats before any conversion
+
+
+def load_first_layers(gguf: Path, layers: int) -> tuple[torch.nn.Module, int]:
+    """The GGUF's model cut to its first ``layers`` decoder layers (embedding, final norm and head kept), in
+    bfloat16 as a full load would give them, and how many layers the whole model has. Only those tensors are
+    dequantised."""
+    source = open_gguf(gguf)
+    total = int(source.config.num_hidden_layers)
+    config = source.config.__class__.from_dict(source.config.to_dict())
+    config.num_hidden_layers = min(layers, total)
+    if hasattr(config, "layer_types") and isinstance(config.layer_types, list):
+        config.layer_types = config.layer_types[: config.num_hidden_layers]
+    model = empty_model(config)
+    wanted = [tensor.name for tensor in source.reader.tensors
+              if (layer := source.layer_of(tensor.name)) is None or layer < config.num_hidden_layers]
+    layout = _layout(model, config)
+    blocks_of = None if layout.tied_head else source.gguf_name_of(layout.embedding)
+    state = {}
+    for name, tensor, raw in iter_tensors(source, wanted, keep=True, blocks_of=blocks_of):
+        if tensor is None:  # the embedding, looked up from its blocks as the int8 storage keeps it
+            from .gguf_embedding import GgufRowsEmbedding
+
+            blocks = torch.from_numpy(np.array(raw.data, dtype=np.uint8))
+            embedding = model.get_input_embeddings()
+            model.set_input_embeddings(GgufRowsEmbedding(blocks, int(raw.tensor_type), embedding.embedding_dim,
+                                                         torch.bfloat16, embedding.padding_idx))
+        else:
+            state[name] = tensor.to(torch.bfloat16)
+    model.load_state_dict(state, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [name for name, param in model.named_parameters() if param.device.type == "meta"]
+    if missing:
+        raise ConversionError(f"cannot measure {gguf.name}: it lacks {', '.join(missing[:3])}")
+    return model.eval(), total
