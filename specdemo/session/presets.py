@@ -38,8 +38,8 @@ PRESETS: dict[str, PairPreset] = {
             draft="offline:qwen2.5-coder-0.5b",
             description="Qwen2.5-Coder-1.5B-Instruct drafted by Qwen2.5-Coder-0.5B-Instruct, from the offline "
             "pack (Q4_K_M GGUF dequantized); no network needed.",
-            hardware="CPU ok (2 cores, bf16; ~7 GB RAM; first use converts ~2 min, 9 GB disk)",
-            resident_memory="6.6–6.8 GB resident (app process, bf16, CPU, int8 draft copy included)",
+            hardware="CPU ok (2 cores, w8a8; ~5 GB RAM; first start ~2 min, 3 GB disk)",
+            resident_memory="4.9 GB resident (app process, w8a8 target, CPU, int8 draft copy included)",
         ),
         PairPreset(
             key="qwen2.5-7b",

@@ -378,18 +378,26 @@ class Racer:
         config = self.config
         target_settings = LoadSettings(dtype=config.dtype, device=config.device)
         dtype = config.dtype
-        if config.dtype == "auto" and config.calibrate:
-            logger.info("Preloading: choosing the target's format (%s measured on a few layers of the real weights)",
-                        ", ".join(AUTO_FORMATS))
-            try:
-                dtype = choose_format(preset.target, target_settings, load=config.loader,
-                                      measure_candidates=quick_curves).format
-            except (ModelLoadError, OfflinePackError) as error:
-                raise InputError(first_line(error)) from None
-            target_settings = replace(target_settings, dtype=dtype)
+        beside = prepare_beside(preset.draft, LoadSettings(dtype=draft_dtype(dtype), device=config.device))
+        try:
+            if config.dtype == "auto" and config.calibrate:
+                logger.info("Preloading: choosing the target's format (%s measured on a few layers of the real "
+                            "weights)", ", ".join(AUTO_FORMATS))
+                measure = functools.partial(quick_curves,
+                                            before_timing=beside.wait_joined if beside is not None else None)
+                try:
+                    dtype = choose_format(preset.target, target_settings, load=config.loader,
+                                          measure_candidates=measure).format
+                except (ModelLoadError, OfflinePackError) as error:
+                    raise InputError(first_line(error)) from None
+                target_settings = replace(target_settings, dtype=dtype)
+        finally:
+            if beside is not None:
+                beside.release()  # the draft converts while the target does
         draft_settings = LoadSettings(dtype=draft_dtype(dtype), device=config.device)
         self._switch_pair(preset.target, target_settings, preset.draft, draft_settings)
         target = self._load(preset.target, target_settings, _no_progress, "target")
+        wait_beside(beside)
         draft = self._load(preset.draft, draft_settings, _no_progress, "draft") if preset.draft else None
         if draft is not None:  # the draft's int8 copy (seconds) is made now too, not in the first visitor's warm-up
             drafting_model(draft.model, SpecSettings(mode=preset.mode).draft_runs_int8(target, draft))
