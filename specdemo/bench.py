@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tqdm.auto import tqdm
+
 from .backends.loading import (
     LoadedModel,
     LoadSettings,
@@ -46,8 +48,9 @@ from .core.files import write_json_atomic
 from .core.settings import COMPILE_CHOICES, SamplingSettings
 from .methods import MAX_NUM_DRAFT_TOKENS, METHODS, SpecSettings, check_pair, describe_methods
 from .methods.ngram import NGRAM_PREFERENCES
-from .session.calibration import FormatChoice, choose_format, detect_hardware, refresh_if_stale
+from .session.calibration import FormatChoice, choose_format, detect_hardware, measures_formats, refresh_if_stale
 from .session.format_probe import quick_curves
+from .session.preparation import LOADING_DRAFT, LOADING_TARGET, MEASURING_FORMATS, StepProgress, loading_steps
 from .session.compiling import check_compile_choice, choose_passes
 from .session.presets import PRESETS, default_preset_key, get_preset, preset_eagle_head
 from .session.prompts import Prompt, PromptFileError, load_prompts
@@ -305,24 +308,44 @@ def _read_request(args: argparse.Namespace) -> _Request:
     return _Request(modes, compile_choices, max_new_tokens, target, draft, needs_draft, categories, prompts, spec)
 
 
+#: the step of loading the draft with another tokenizer
+LOADING_UAG_DRAFT = "loading the uag draft"
+
+
 def _load_models(args: argparse.Namespace, request: _Request) -> _Models:
-    """Choose the target's format (printed), load the models the modes need, and refuse a misfit pair."""
+    """Choose the target's format (printed), load the models the modes need, and refuse a misfit pair; one progress
+    line with named steps and the seconds left (unless ``--quiet``)."""
     target_settings = LoadSettings(dtype=args.dtype, device=args.device, quantization=QUANTIZATIONS[args.quantization])
-    if args.calibration == "off":
-        choice = FormatChoice(resolve_format(args.dtype, resolve_device(args.device)), "without calibration")
-    else:
-        choice = choose_format(request.target, target_settings, refresh=args.calibration == "refresh",
-                               measure_candidates=quick_curves)
-    print(choice.summary(), flush=True)
-    target_settings = replace(target_settings, dtype=choice.format)
-    load = LoadSettings(dtype=draft_dtype(choice.format), device=args.device)
-    target = load_model(request.target, target_settings, progress=not args.quiet)
-    draft = None
-    if request.needs_draft and request.draft:
-        draft = load_model(request.draft, load, progress=not args.quiet)
-    uag_draft = None
+    measuring = args.calibration != "off" and measures_formats(request.target, target_settings)
+    draft_load = LoadSettings(dtype=draft_dtype(args.dtype), device=args.device)  # the storage is the same
+    drafts = [(LOADING_DRAFT, request.draft, draft_load)] if request.needs_draft and request.draft else []
     if args.uag_draft and any(drafts_with_other_tokenizer(m) for m in request.modes):
-        uag_draft = load_model(args.uag_draft, load, progress=not args.quiet)
+        drafts.append((LOADING_UAG_DRAFT, args.uag_draft, draft_load))
+    with tqdm(total=100, desc="loading", unit="%", disable=args.quiet, leave=False) as bar:
+
+        def report(fraction: float, message: str) -> None:
+            bar.set_description_str(message[:90])
+            bar.update(max(0, round(100 * fraction) - bar.n))
+
+        steps = StepProgress(report, loading_steps(request.target, target_settings, drafts, measuring))
+        if args.calibration == "off":
+            choice = FormatChoice(resolve_format(args.dtype, resolve_device(args.device)), "without calibration")
+        else:
+            if measuring:
+                steps.start(MEASURING_FORMATS, "on a few layers of the real weights (once per machine)")
+            choice = choose_format(request.target, target_settings, refresh=args.calibration == "refresh",
+                                   measure_candidates=quick_curves)
+        target_settings = replace(target_settings, dtype=choice.format)
+        load = LoadSettings(dtype=draft_dtype(choice.format), device=args.device)
+        steps.start(LOADING_TARGET, request.target)
+        target = load_model(request.target, target_settings, progress=False, on_progress=steps.within)
+        loaded = {}
+        for name, source, _ in drafts:
+            steps.start(name, source)
+            loaded[name] = load_model(source, load, progress=False, on_progress=steps.within)
+        steps.finish()
+    print(choice.summary(), flush=True)
+    draft, uag_draft = loaded.get(LOADING_DRAFT), loaded.get(LOADING_UAG_DRAFT)
     for mode in dict.fromkeys(split_mode(m)[0] for m in request.modes):  # a misfit pair: one line before any run
         if mode in METHODS:
             check_pair(replace(request.spec, mode=mode), target, mode_draft(mode, draft, uag_draft))

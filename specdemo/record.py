@@ -166,7 +166,7 @@ def race_log(args: argparse.Namespace, show_progress: bool) -> RaceLog:
         with tqdm(total=100, desc="loading", unit="%", disable=not show_progress, leave=False) as bar:
 
             def report(fraction: float, message: str) -> None:
-                bar.set_description_str(message[:60])
+                bar.set_description_str(message[:90])
                 bar.update(max(0, round(100 * fraction) - bar.n))
 
             prepared = racer.prepare(request, report)

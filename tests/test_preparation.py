@@ -25,10 +25,10 @@ def test_steps_report_one_growing_fraction_with_names_and_seconds_left(monkeypat
     total = steps.finish()
     fractions = [fraction for fraction, _ in seen]
     assert fractions == sorted(fractions) and fractions[0] == 0.0
-    assert seen[0][1] == "step 1 of 3, measuring: three formats (about 50 s left)"
-    assert seen[2][1] == "step 2 of 3, converting: shard 4 of 8 (about 25 s left)"
+    assert seen[0][1] == "step 1 of 3 (about 50 s left): measuring, three formats"
+    assert seen[2][1] == "step 2 of 3 (about 25 s left): converting, shard 4 of 8"
     assert seen[2][0] == pytest.approx((10 + 15) / 50)
-    assert re.fullmatch(r"step 3 of 3, warming up \(about 10 s left\)", seen[3][1])
+    assert re.fullmatch(r"step 3 of 3 \(about 10 s left\): warming up", seen[3][1])
     assert total == 50.0
 
 
@@ -39,7 +39,7 @@ def test_the_estimate_follows_the_finished_steps(monkeypatch: pytest.MonkeyPatch
     steps = StepProgress(lambda fraction, message: seen.append(message), [Step("a", 10.0), Step("b", 10.0)])
     steps.start("a")
     steps.start("b")  # "a" took twice its guess: so will "b", says the estimate
-    assert seen[-1] == "step 2 of 2, b (about 20 s left)"
+    assert seen[-1] == "step 2 of 2 (about 20 s left): b"
 
 
 def test_a_pair_already_converted_plans_no_conversion_and_nothing_beside() -> None:

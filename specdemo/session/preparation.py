@@ -2,8 +2,8 @@
 
 The first start of a pair does the most: the pack's files joined and verified, the target's format measured, each
 model converted into what the race reads, both loaded, the passes chosen, a warm-up, the cost curve. The steps
-report through one callback, ``(fraction, message)``, as ``step 3 of 7, converting the target: ... (about 40 s
-left)``: each step's estimate starts from a guess made from the sizes involved, and once a step ends, the steps
+report through one callback, ``(fraction, message)``, as ``step 3 of 7 (about 40 s left): loading the target,
+Converting ...``: each step's estimate starts from a guess made from the sizes involved, and once a step ends, the steps
 left are scaled by how the finished ones compared with their guesses (a slower disk or CPU shows after a step).
 
 What overlaps: the draft's weights are made ready in a process while the target's are (:class:`PreparedBeside`):
@@ -74,10 +74,9 @@ class StepProgress:
         left = sum(s.estimate for s in self.steps[self._index + 1:]) * scale + step.estimate * scale * (1 - fraction)
         done = sum(s.estimate for s in self.steps[: self._index]) + step.estimate * fraction
         total = sum(s.estimate for s in self.steps)
-        text = f"step {self._index + 1} of {len(self.steps)}, {step.name}"
-        if message:
-            text += f": {message}"
-        text += f" (about {max(left, 1.0):.0f} s left)"
+        text = f"step {self._index + 1} of {len(self.steps)} (about {max(left, 1.0):.0f} s left): {step.name}"
+        if message:  # last: a narrow progress line cuts the end, never the step or the estimate
+            text += f", {message}"
         self.report(min(done / total, 1.0) if total else 1.0, text)
 
     def _finish_current(self) -> None:
@@ -197,4 +196,16 @@ def plan_steps(target: str, target_settings: LoadSettings, draft: str | None, me
     steps += [Step(CHOOSING_PASSES, 1.0), Step(WARMING_UP, GUESS_WARM_UP)]
     if calibrating:
         steps.append(Step(CALIBRATING, GUESS_CALIBRATE))
+    return steps
+
+
+def loading_steps(target: str, target_settings: LoadSettings, drafts: list[tuple[str, str, LoadSettings]],
+                  measuring: bool) -> list[Step]:
+    """The steps of loading a target and its drafts (``(step name, source, settings)`` each) one after the other,
+    as the bench does, with first guesses from what has to be converted."""
+    steps = [Step(MEASURING_FORMATS, GUESS_MEASURING)] if measuring else []
+    steps.append(Step(LOADING_TARGET, GUESS_LOAD + GUESS_CONVERT_PER_GB * bytes_to_convert(target, target_settings)
+                      / 1e9))
+    steps += [Step(name, GUESS_LOAD + GUESS_CONVERT_PER_GB * bytes_to_convert(source, settings) / 1e9)
+              for name, source, settings in drafts]
     return steps

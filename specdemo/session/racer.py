@@ -31,6 +31,7 @@ from ..backends.loading import (
     ModelLoadError,
     cache_key,
     draft_dtype,
+    load_model,
 )
 from ..backends.memory import resident_gb, return_free_memory
 from ..backends.offline import OfflinePackError
@@ -362,11 +363,19 @@ class Racer:
             self._free_before_candidates(target_source, target_settings, pair_draft, LoadSettings(**draft_limits))
             steps.start(MEASURING_FORMATS, f"{', '.join(AUTO_FORMATS)} on a few layers of the real weights, alone "
                         "on the cores (once per machine)")
-        measure = functools.partial(quick_curves, before_timing=beside.wait_joined if beside is not None else None)
         try:
-            return choose_format(target_source, target_settings, load=self.config.loader, measure_candidates=measure)
+            return choose_format(target_source, target_settings, load=self.config.loader,
+                                 measure_candidates=self._format_probe(beside))
         except (ModelLoadError, OfflinePackError) as error:
             raise InputError(first_line(error)) from None
+
+    def _format_probe(self, beside: PreparedBeside | None) -> Callable[..., dict[str, CostCurve]] | None:
+        """How the target's formats are measured: on a few layers of its real weights, read from the sources
+        :func:`load_model` knows (waiting for the draft's preparation before timing); with another loader (an
+        embedding application's, the tests'), each candidate loaded whole through it."""
+        if self.config.loader is not load_model:
+            return None
+        return functools.partial(quick_curves, before_timing=beside.wait_joined if beside is not None else None)
 
     def preload(self, key: str | None = None) -> None:
         """Load a preset's pair now (the default pair unless ``key``) as a race would, before serving (ZeroGPU
@@ -383,11 +392,9 @@ class Racer:
             if config.dtype == "auto" and config.calibrate:
                 logger.info("Preloading: choosing the target's format (%s measured on a few layers of the real "
                             "weights)", ", ".join(AUTO_FORMATS))
-                measure = functools.partial(quick_curves,
-                                            before_timing=beside.wait_joined if beside is not None else None)
                 try:
                     dtype = choose_format(preset.target, target_settings, load=config.loader,
-                                          measure_candidates=measure).format
+                                          measure_candidates=self._format_probe(beside)).format
                 except (ModelLoadError, OfflinePackError) as error:
                     raise InputError(first_line(error)) from None
                 target_settings = replace(target_settings, dtype=dtype)
