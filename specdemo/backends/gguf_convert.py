@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import re
 import shutil
@@ -33,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.files import atomic_path, write_json_atomic
+from ..core.errors import first_line
+from ..core.files import atomic_path, read_json_object, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def gguf_config(path: Path, config_dict: dict[str, Any] | None = None) -> Any:
             return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         return AutoConfig.for_model(**dict(config_dict))
     except (ValueError, KeyError, OSError, NotImplementedError, RuntimeError) as error:
-        raise ConversionError(f"cannot convert {path.name} with transformers: {_first_line(error)}") from error
+        raise ConversionError(f"cannot convert {path.name} with transformers: {first_line(error)}") from error
 
 
 def empty_model(config: Any, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
@@ -167,7 +167,7 @@ def _open_gguf(path: Path) -> GgufSource:
     except ConversionError:
         raise
     except (ValueError, KeyError, OSError, NotImplementedError, RuntimeError, IndexError) as error:
-        raise ConversionError(f"cannot convert {path.name} with transformers: {_first_line(error)}") from error
+        raise ConversionError(f"cannot convert {path.name} with transformers: {first_line(error)}") from error
     return GgufSource(path, reader, config, model, processor, name_map)
 
 
@@ -436,7 +436,7 @@ def _resume(out_dir: Path, plan: dict[str, Any]) -> set[str]:
     """The shards of ``plan`` already written in ``out_dir``; anything else there (another plan's files, a
     partial write) is removed first."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    recorded = _read_json(out_dir / PLAN_NAME)
+    recorded = read_json_object(out_dir / PLAN_NAME)
     if recorded != plan:
         for item in out_dir.iterdir():
             shutil.rmtree(item) if item.is_dir() else item.unlink()
@@ -488,13 +488,12 @@ def _check_space(out_dir: Path, source: GgufSource, shards: list[Shard], done: s
                  layout: _Layout, blocks_of: str | None) -> None:
     """Refuse, in one line naming the folder, a conversion whose remaining shards cannot fit on the disk."""
     tensors = {tensor.name: tensor for tensor in source.reader.tensors}
-    reverse = {gguf_name: hf_name for gguf_name, hf_name in _gguf_to_hf(source).items()}
 
     def stored(name: str) -> int:
         if name == blocks_of:
             return int(tensors[name].n_bytes)
         shape = list(reversed([int(d) for d in tensors[name].shape]))
-        return _stored_bytes(shape, reverse.get(name, name), storage, layout)
+        return _stored_bytes(shape, source.name_map.get(name, name), storage, layout)
 
     need = sum(stored(name) for shard in shards if shard.file not in done for name in shard.gguf_names)
     free = shutil.disk_usage(out_dir).free
@@ -504,35 +503,10 @@ def _check_space(out_dir: Path, source: GgufSource, shards: list[Shard], done: s
                               "(or set SPECDEMO_CACHE elsewhere)")
 
 
-def _gguf_to_hf(source: GgufSource) -> dict[str, str]:
-    """GGUF tensor name -> transformers parameter name (the map transformers keys by GGUF name stems)."""
-    out: dict[str, str] = {}
-    for tensor in source.reader.tensors:
-        stem, suffix = tensor.name.rsplit(".", 1) if "." in tensor.name else (tensor.name, "")
-        for key in (tensor.name, stem):
-            if key in source.name_map:
-                hf = source.name_map[key]
-                out[tensor.name] = hf if key == tensor.name else f"{hf}.{suffix}"
-                break
-    return out
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 def _report(on_progress: ProgressCallback | None, fraction: float, message: str) -> None:
     logger.info("%s", message)
     if on_progress is not None:
         on_progress(fraction, message)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 # ---------------------------------------------------------------------------------------------------------------

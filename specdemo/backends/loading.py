@@ -376,12 +376,17 @@ def _storage(settings: LoadSettings) -> str:
     return gguf_convert.storage_for(resolve_format(settings.dtype, resolve_device(settings.device)))
 
 
+def _from_gguf(name: str, settings: LoadSettings) -> bool:
+    """Whether the (normalised) source ``name`` is read from a GGUF file: an offline model or a local ``.gguf``."""
+    return offline.is_offline_source(name) or (settings.local_files and name.lower().endswith(".gguf"))
+
+
 def prepare_weights(source: str, settings: LoadSettings = LoadSettings(), convert: bool = True) -> None:
     """Make ``source``'s weights ready to load with ``settings`` without loading them: an offline model or a local
     GGUF is joined and verified (hashed), then, with ``convert``, converted, as the first load would do; anything
     else is left alone. Lets a caller prepare a draft while the target is prepared."""
     name = _resolve(source, settings)[0][0]
-    if not offline.is_offline_source(name) and not (settings.local_files and name.lower().endswith(".gguf")):
+    if not _from_gguf(name, settings):
         return
     if convert:
         _resolve_source(name, False, None, settings)
@@ -395,10 +400,9 @@ def load_first_layers(source: str, settings: LoadSettings, layers: int) -> tuple
     """``source`` cut to its first ``layers`` decoder layers, with its real weights in bfloat16 (embedding, final
     norm and head kept), and the number of layers of the whole model: what a format is measured on before the
     whole model is converted or loaded. A GGUF (offline or local) dequantises only those tensors."""
-    key = _resolve(source, settings)[0]
-    name = key[0]
+    name = _resolve(source, settings)[0][0]
     try:
-        if offline.is_offline_source(name) or (settings.local_files and name.lower().endswith(".gguf")):
+        if _from_gguf(name, settings):
             if offline.is_offline_source(name):
                 gguf = offline.joined_gguf(offline.offline_name(name), progress=False)
             else:
@@ -426,9 +430,9 @@ def bytes_to_convert(source: str, settings: LoadSettings) -> int:
         return 0
     if not offline.is_offline_source(name) or offline.offline_name(name) not in offline.OFFLINE_MODELS:
         return 0
-    model = offline.get_offline_model(name)
-    folder = offline.cache_home() / "models" / offline.stored_folder_name(model.name, _storage(settings))
-    return 0 if offline.folder_ready(folder, model.sha256, _storage(settings)) else int(model.size or 0)
+    model, storage = offline.get_offline_model(name), _storage(settings)
+    folder = offline.cache_home() / "models" / offline.stored_folder_name(model.name, storage)
+    return 0 if offline.folder_ready(folder, model.sha256, storage) else int(model.size or 0)
 
 
 def _capped_snapshot(repo_id: str, max_bytes: int | None) -> Path:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
-import json
 import logging
 import os
 import shutil
@@ -26,7 +25,8 @@ from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
-from ..core.files import hash_files, relax_mode, write_json_atomic
+from ..core.errors import first_line
+from ..core.files import hash_files, read_json_object, relax_mode, write_json_atomic
 from . import gguf_convert
 
 T = TypeVar("T")
@@ -270,20 +270,6 @@ class _Progress:
         self.bar.close()
 
 
-def _report(on_progress: ProgressCallback | None, fraction: float, message: str) -> None:
-    logger.info("%s", message)
-    if on_progress is not None:
-        on_progress(fraction, message)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 # ---------------------------------------------------------------------------------------------
 # Hashing and joining
 
@@ -324,7 +310,7 @@ def cached_file_sha256(path: Path, progress: bool = True, on_progress: ProgressC
     path = Path(path)
     marker = _hash_marker_path(path)
     stamp = _file_stamp(path)
-    recorded = _read_json(marker)
+    recorded = read_json_object(marker)
     if recorded and all(recorded.get(k) == v for k, v in stamp.items()) and recorded.get("sha256"):
         return str(recorded["sha256"])
     sha, _ = _hash_files([path], f"Hashing {path.name}", progress, on_progress)
@@ -403,7 +389,7 @@ def _reuse_joined(
     stat = final.stat()
     if stat.st_size != expected_size:
         return False
-    recorded = _read_json(marker)
+    recorded = read_json_object(marker)
     if (
         recorded
         and recorded.get("sha256") == model.sha256
@@ -504,7 +490,7 @@ def drop_joined(name: str) -> None:
 
 def _remove_old_layout(folder: Path) -> None:
     """Remove an earlier version's float32 conversion of the same model (6 GB for the 1.5B target)."""
-    marker = _read_json(folder / MARKER_NAME)
+    marker = read_json_object(folder / MARKER_NAME)
     if marker is not None and marker.get("format") != MARKER_FORMAT:
         logger.info("Removing %s: an earlier version's float32 conversion", folder)
         shutil.rmtree(folder, ignore_errors=True)
@@ -545,14 +531,14 @@ def trim_conversions(keep: Path | None = None, budget_bytes: int | None = None) 
 
 def folder_ready(folder: Path, gguf_sha256: str, storage: str) -> bool:
     """Whether ``folder`` holds a whole conversion of that GGUF into ``storage`` (its marker is written last)."""
-    marker = _read_json(folder / MARKER_NAME)
+    marker = read_json_object(folder / MARKER_NAME)
     return (bool(marker) and marker.get("gguf_sha256") == gguf_sha256 and marker.get("format") == MARKER_FORMAT
             and marker.get("storage") == storage)
 
 
 def stored_kind(folder: Path) -> str | None:
     """The storage of a converted folder (None: not a conversion of this package)."""
-    marker = _read_json(Path(folder) / MARKER_NAME)
+    marker = read_json_object(Path(folder) / MARKER_NAME)
     return str(marker["storage"]) if marker and marker.get("format") == MARKER_FORMAT else None
 
 
@@ -608,18 +594,13 @@ def _write_config_and_tokenizer(source: gguf_convert.GgufSource, out_dir: Path, 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except (ValueError, KeyError, OSError, NotImplementedError, RuntimeError) as err:
-        raise OfflinePackError(f"cannot convert {gguf.name} with transformers: {_first_line(err)}") from err
+        raise OfflinePackError(f"cannot convert {gguf.name} with transformers: {first_line(err)}") from err
     generation = GenerationConfig.from_model_config(source.config)
     eos_ids = _fix_special_tokens(generation, tokenizer, eos_tokens)
     source.config.save_pretrained(str(out_dir))
     generation.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return eos_ids
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _fix_special_tokens(gen: Any, tokenizer: Any, eos_tokens: Sequence[str]) -> list[int]:

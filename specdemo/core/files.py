@@ -58,6 +58,15 @@ def write_json_atomic(path: str | Path, data: Any, indent: int | None = 2, sort_
     write_text_atomic(path, json.dumps(data, indent=indent, sort_keys=sort_keys))
 
 
+def read_json_object(path: str | Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when the file is missing, unreadable, not JSON or not an object."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def hash_files(
     paths: Sequence[Path], on_bytes: Callable[[int], None] | None = None, out: BinaryIO | None = None
 ) -> tuple[str, int]:

@@ -23,7 +23,7 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -53,6 +53,8 @@ from ..core.economics import (
 from ..core.files import write_json_atomic
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: new tokens per measured pass
 PASS_LENGTHS = (1, 2, 4, 8, 16)
@@ -114,7 +116,6 @@ def _median_pass_seconds(
 ) -> list[float]:
     """Median seconds of one pass over k new tokens for each k, round-robin until ``repeats`` or the budget."""
     device = lm.device
-    timings: dict[int, list[float]] = {k: [] for k in lengths}
 
     def one_pass(k: int) -> float:
         ids = torch.randint(0, vocab_size, (k,), generator=generator)
@@ -124,14 +125,23 @@ def _median_pass_seconds(
         lm.rollback(k)
         return seconds
 
+    timings = timed_rounds(one_pass, lengths, repeats, budget_seconds)
+    return [statistics.median(timings[k]) for k in lengths]
+
+
+def timed_rounds(one_pass: Callable[[int], T], lengths: Sequence[int], repeats: int,
+                 budget_seconds: float) -> dict[int, list[T]]:
+    """``one_pass(k)`` for each k, round-robin, after one untimed pass over the longest: ``repeats`` rounds, or
+    fewer once two are done and ``budget_seconds`` have passed; what each returned, by k."""
+    results: dict[int, list[T]] = {k: [] for k in lengths}
     one_pass(max(lengths))  # warm-up, not kept
     started = time.perf_counter()
     for round_index in range(repeats):
         for k in lengths:
-            timings[k].append(one_pass(k))
+            results[k].append(one_pass(k))
         if round_index >= 1 and time.perf_counter() - started > budget_seconds:
             break
-    return [statistics.median(timings[k]) for k in lengths]
+    return results
 
 
 def _draft_step_seconds(

@@ -31,7 +31,7 @@ from ..backends.loading import LoadSettings, ModelLoadError, load_first_layers, 
 from ..backends.memory import return_free_memory
 from ..backends.transformers_lm import CachedLM
 from ..core.economics import CostCurve, curve_problem
-from .calibration import AUTO_FORMATS, PASS_LENGTHS, detect_hardware, memory_bandwidth
+from .calibration import AUTO_FORMATS, PASS_LENGTHS, detect_hardware, memory_bandwidth, timed_rounds
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,6 @@ def measure_split(model: nn.Module, lengths: Sequence[int] = PASS_LENGTHS, repea
     lm.reset()
     lm.forward(torch.randint(0, vocab_size, (PROBE_PREFIX,), generator=generator), all_logits=False)
     clock = _LayerClock(decoder_layers(model))
-    splits: dict[int, list[PassSplit]] = {k: [] for k in lengths}
 
     def one_pass(k: int) -> PassSplit:
         ids = torch.randint(0, vocab_size, (k,), generator=generator)
@@ -104,17 +103,10 @@ def measure_split(model: nn.Module, lengths: Sequence[int] = PASS_LENGTHS, repea
         return PassSplit(seconds, clock.end - clock.start)
 
     try:
-        one_pass(max(lengths))  # warm-up, not kept
-        started = time.perf_counter()
-        for round_index in range(repeats):
-            for k in lengths:
-                splits[k].append(one_pass(k))
-            if round_index >= 1 and time.perf_counter() - started > budget_seconds:
-                break
+        return timed_rounds(one_pass, lengths, repeats, budget_seconds)
     finally:
         clock.close()
         lm.reset()
-    return splits
 
 
 def _estimated_curve(source: str, fmt: str, model: nn.Module, total_layers: int, started: float) -> CostCurve:

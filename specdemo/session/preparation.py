@@ -189,8 +189,7 @@ def plan_steps(target: str, target_settings: LoadSettings, draft: str | None, me
                calibrating: bool) -> list[Step]:
     """The steps of preparing this pair, with first guesses from what has to be converted."""
     steps = [Step(MEASURING_FORMATS, GUESS_MEASURING)] if measuring else []
-    target_bytes = bytes_to_convert(target, target_settings)
-    steps.append(Step(LOADING_TARGET, GUESS_LOAD + GUESS_CONVERT_PER_GB * target_bytes / 1e9))
+    steps.append(_loading(LOADING_TARGET, target, target_settings))
     if draft:
         steps.append(Step(LOADING_DRAFT, GUESS_LOAD))  # its conversion runs beside the target's
     steps += [Step(CHOOSING_PASSES, 1.0), Step(WARMING_UP, GUESS_WARM_UP)]
@@ -204,8 +203,10 @@ def loading_steps(target: str, target_settings: LoadSettings, drafts: list[tuple
     """The steps of loading a target and its drafts (``(step name, source, settings)`` each) one after the other,
     as the bench does, with first guesses from what has to be converted."""
     steps = [Step(MEASURING_FORMATS, GUESS_MEASURING)] if measuring else []
-    steps.append(Step(LOADING_TARGET, GUESS_LOAD + GUESS_CONVERT_PER_GB * bytes_to_convert(target, target_settings)
-                      / 1e9))
-    steps += [Step(name, GUESS_LOAD + GUESS_CONVERT_PER_GB * bytes_to_convert(source, settings) / 1e9)
-              for name, source, settings in drafts]
-    return steps
+    steps.append(_loading(LOADING_TARGET, target, target_settings))
+    return steps + [_loading(name, source, settings) for name, source, settings in drafts]
+
+
+def _loading(name: str, source: str, settings: LoadSettings) -> Step:
+    """The step of loading ``source``, guessed from the GGUF bytes it converts first."""
+    return Step(name, GUESS_LOAD + GUESS_CONVERT_PER_GB * bytes_to_convert(source, settings) / 1e9)

@@ -355,14 +355,18 @@ class Racer:
         return prepared
 
     def _choose_format(self, target_source: str, target_settings: LoadSettings, pair_draft: str | None,
-                       draft_limits: dict[str, Any], steps: StepProgress,
+                       draft_limits: dict[str, Any], steps: StepProgress | None,
                        beside: PreparedBeside | None) -> FormatChoice:
         """``--dtype auto``'s format for the target: cached for this machine, else measured on a few layers of its
-        real weights, alone on the cores (the draft's preparation beside waits until the timing is done)."""
+        real weights, alone on the cores (the draft's preparation beside waits until the timing is done); the step
+        is reported through ``steps``, or logged when there are none (preloading)."""
         if measures_formats(target_source, target_settings):  # candidates load: free the old pair first
             self._free_before_candidates(target_source, target_settings, pair_draft, LoadSettings(**draft_limits))
-            steps.start(MEASURING_FORMATS, f"{', '.join(AUTO_FORMATS)} on a few layers of the real weights, alone "
-                        "on the cores (once per machine)")
+            what = f"{', '.join(AUTO_FORMATS)} on a few layers of the real weights, alone on the cores"
+            if steps is None:
+                logger.info("Preloading: choosing the target's format (%s)", what)
+            else:
+                steps.start(MEASURING_FORMATS, f"{what} (once per machine)")
         try:
             return choose_format(target_source, target_settings, load=self.config.loader,
                                  measure_candidates=self._format_probe(beside))
@@ -390,13 +394,7 @@ class Racer:
         beside = prepare_beside(preset.draft, LoadSettings(dtype=draft_dtype(dtype), device=config.device))
         try:
             if config.dtype == "auto" and config.calibrate:
-                logger.info("Preloading: choosing the target's format (%s measured on a few layers of the real "
-                            "weights)", ", ".join(AUTO_FORMATS))
-                try:
-                    dtype = choose_format(preset.target, target_settings, load=config.loader,
-                                          measure_candidates=self._format_probe(beside)).format
-                except (ModelLoadError, OfflinePackError) as error:
-                    raise InputError(first_line(error)) from None
+                dtype = self._choose_format(preset.target, target_settings, preset.draft, {}, None, beside).format
                 target_settings = replace(target_settings, dtype=dtype)
         finally:
             if beside is not None:
